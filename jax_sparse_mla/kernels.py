@@ -1,0 +1,115 @@
+"""The kernel registry: which implementation of the sparse-MLA decode kernel runs where.
+
+Every kernel has the same contract, so the public op does its argument checking, index sanitising and
+scale folding once and then hands over:
+
+    out, lse = kernel.fn(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base)
+
+    q:          [T, H, 576] bf16 / f16, or float8_e4m3fn (raw values; q_scale is folded into bmm1_scale)
+    kv_cache:   [num_blocks, block_size, 576] bf16 / f16 / float8_e4m3fn, or uint8 [.., 656] (fp8_ds_mla)
+    indices:    [T, K] int32 physical slots (block * block_size + offset). Already sanitised: every entry
+                that must not be attended (negative, >= num_blocks * block_size, past valid_counts) is -1.
+                Holes may sit anywhere in a row.
+    bmm1_scale: float, applied to the raw dot products q . kv[:576]
+    bmm2_scale: float, applied to the output (the per-tensor k_scale of an fp8 cache, else 1.0)
+    lse_base:   "e" or "2"
+    out:        [T, H, 512], bf16 for bf16 / fp8 queries, f16 for f16 queries
+    lse:        [T, H] float32. A row with no valid index has out = 0 and lse = -inf.
+
+A kernel is chosen at trace time from the device that JAX computes on (platform and CUDA compute
+capability) and the cache layout. The pure-JAX kernel runs everywhere and is the reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+IMPLEMENTATIONS = ("auto", "xla", "native")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseMLAKernel:
+    """One implementation of the decode kernel.
+
+    name:            short name shown in errors and benchmarks ("xla", "sm90_flashinfer_fa3", ...).
+    native:          True for custom-call kernels that need a GPU and the compiled extension.
+    capability_majors: CUDA compute-capability majors it runs on; empty means any device.
+    kv_layouts:      cache layouts it accepts: "bfloat16", "float16", "fp8_e4m3", "fp8_ds_mla".
+    q_dtypes:        query dtype names it accepts.
+    fn:              the kernel (contract in the module docstring).
+    available:       whether it can run in this process (extension built and loaded).
+    """
+
+    name: str
+    native: bool
+    capability_majors: tuple[int, ...]
+    kv_layouts: tuple[str, ...]
+    q_dtypes: tuple[str, ...]
+    fn: Callable
+    available: Callable[[], bool] = lambda: True
+
+
+_KERNELS: list[SparseMLAKernel] = []
+
+
+def register_kernel(kernel: SparseMLAKernel) -> None:
+    """Adds a kernel; native kernels registered later take precedence for their devices."""
+    if any(k.name == kernel.name for k in _KERNELS):
+        raise ValueError(f"a kernel named {kernel.name!r} is already registered.")
+    _KERNELS.append(kernel)
+
+
+def registered_kernels() -> tuple[SparseMLAKernel, ...]:
+    return tuple(_KERNELS)
+
+
+def current_device_capability() -> tuple[int, int] | None:
+    """(major, minor) of the default device when it is a CUDA GPU, else None."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return None
+    capability = getattr(device, "compute_capability", None)
+    if not capability:
+        return None
+    major, _, minor = str(capability).partition(".")
+    return int(major), int(minor or 0)
+
+
+def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto") -> SparseMLAKernel:
+    """Picks the kernel for this device, cache layout and query dtype.
+
+    implementation: "auto" (a native kernel when one fits, else pure JAX), "xla" (always pure JAX) or
+    "native" (a native kernel, or a clear error saying why none fits).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+    xla = next(k for k in _KERNELS if not k.native)
+    if implementation == "xla":
+        return xla
+    capability = current_device_capability()
+    reasons = []
+    for kernel in reversed(_KERNELS):
+        if not kernel.native:
+            continue
+        if capability is None:
+            reasons.append(f"{kernel.name}: the default device is not a CUDA GPU")
+        elif capability[0] not in kernel.capability_majors:
+            reasons.append(
+                f"{kernel.name}: needs compute capability major {kernel.capability_majors}, "
+                f"device has {capability[0]}.{capability[1]}"
+            )
+        elif kv_layout not in kernel.kv_layouts:
+            reasons.append(f"{kernel.name}: kv layout {kv_layout!r} not in {kernel.kv_layouts}")
+        elif q_dtype_name not in kernel.q_dtypes:
+            reasons.append(f"{kernel.name}: query dtype {q_dtype_name} not in {kernel.q_dtypes}")
+        elif not kernel.available():
+            reasons.append(f"{kernel.name}: the native extension is not built or failed to load")
+        else:
+            return kernel
+    if implementation == "native":
+        detail = "; ".join(reasons) if reasons else "no native kernel is registered"
+        raise ValueError(f"implementation='native' was requested but no native kernel fits: {detail}.")
+    return xla
