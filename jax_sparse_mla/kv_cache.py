@@ -94,8 +94,11 @@ def _check_writer_inputs(kv_c, k_pe, kv_cache, slot_mapping, input_dtypes):
     return kv_c, k_pe, kv_cache, slot_mapping
 
 
-def _scatter_rows(kv_cache: jax.Array, slot_mapping: jax.Array, rows: jax.Array) -> jax.Array:
-    """Writes rows [T, D] at slots; negative and past-the-end slots are dropped, never wrapped."""
+def scatter_rows(kv_cache: jax.Array, slot_mapping: jax.Array, rows: jax.Array) -> jax.Array:
+    """Writes rows [T, D] into a paged cache [num_blocks, block_size, D] at slot_mapping [T].
+
+    Negative and past-the-end slots are dropped, never wrapped. Also writes the indexer's key cache.
+    """
     num_blocks, block_size, row_width = kv_cache.shape
     num_slots = num_blocks * block_size
     slots = jnp.where(slot_mapping < 0, num_slots, slot_mapping)
@@ -105,7 +108,7 @@ def _scatter_rows(kv_cache: jax.Array, slot_mapping: jax.Array, rows: jax.Array)
 
 @jax.jit
 def _write_ds_mla(kv_c, k_pe, kv_cache, slot_mapping):
-    return _scatter_rows(kv_cache, slot_mapping, pack_ds_mla_rows(kv_c, k_pe))
+    return scatter_rows(kv_cache, slot_mapping, pack_ds_mla_rows(kv_c, k_pe))
 
 
 def concat_and_cache_ds_mla(
@@ -131,7 +134,7 @@ def _write_mla(kv_c, k_pe, kv_cache, slot_mapping, k_scale):
                                             jnp.uint8)
     elif v.is_fp8_e4m3(kv_cache.dtype):
         rows = _to_e4m3(_divide(rows.astype(jnp.float32), k_scale))
-    return _scatter_rows(kv_cache, slot_mapping, rows.astype(kv_cache.dtype))
+    return scatter_rows(kv_cache, slot_mapping, rows.astype(kv_cache.dtype))
 
 
 def concat_and_cache_mla(

@@ -1,0 +1,60 @@
+"""MLA + DSA layer configurations: DeepSeek-V3.2, GLM-5, and a tiny preset that runs on CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Shapes of one multi-head latent attention layer with the DeepSeek sparse-attention indexer.
+
+    hidden_size: model width D; num_heads: query heads H; q_lora_rank / kv_lora_rank: the low-rank
+    query and latent KV widths (kv_lora_rank + qk_rope_head_dim = 576 is what the kernels take);
+    qk_nope_head_dim / qk_rope_head_dim / v_head_dim: per-head dims; index_topk: keys each token keeps;
+    index_n_heads x index_head_dim: the lightning indexer; rope_theta and the YaRN fields scale RoPE
+    for long contexts (rope_factor 1 turns YaRN off).
+    """
+
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    rope_theta: float = 10000.0
+    rope_factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+    rms_norm_eps: float = 1e-6
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        """qk_head_dim**-0.5 times the YaRN attention mscale squared (DeepSeek-V3.2's scale)."""
+        scale = self.qk_head_dim ** -0.5
+        if self.rope_factor > 1.0:
+            mscale = 0.1 * self.mscale_all_dim * math.log(self.rope_factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+
+DEEPSEEK_V32 = MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536)
+GLM5 = MLAConfig(hidden_size=6144, num_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256)
+# Tiny but structurally identical: the kernels still see 576-wide rows; top-k 128 (vLLM's K % 128).
+TINY = MLAConfig(hidden_size=256, num_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32,
+                 index_topk=128, index_n_heads=4, index_head_dim=64, rope_factor=4.0,
+                 original_max_position_embeddings=128)
+
+PRESETS = {"deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5, "tiny": TINY}

@@ -1,0 +1,123 @@
+"""The Flax MLA + DSA layer against dense multi-head MLA attention written here in float64 NumPy."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+from flax import nnx  # noqa: E402
+
+import jax_sparse_mla as jsm  # noqa: E402
+from jax_sparse_mla.flax import TINY, MLASparseAttention, apply_rope, empty_layer_cache  # noqa: E402
+
+BLOCK_SIZE = 64
+
+
+def prefill_one_request(layer, num_tokens, seed=0):
+    """One request prefilling num_tokens tokens into a fresh cache (blocks 1.. of the table)."""
+    width = -(-num_tokens // BLOCK_SIZE)
+    block_table = np.arange(1, width + 1, dtype=np.int32)[None]
+    positions = np.arange(num_tokens, dtype=np.int32)
+    slots = block_table[0, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    common = jsm.CommonAttentionMetadata(
+        jnp.asarray([0, num_tokens], jnp.int32), jnp.asarray([num_tokens], jnp.int32),
+        jnp.asarray(block_table), jnp.asarray(slots, jnp.int32), 1, num_tokens, num_tokens, num_tokens)
+    metadata = jsm.FlashInferMLASparseMetadataBuilder(
+        num_heads=TINY.num_heads, block_size=BLOCK_SIZE, topk_tokens=TINY.index_topk).build(common)
+    x = jax.random.normal(jax.random.key(seed), (num_tokens, TINY.hidden_size), jnp.bfloat16)
+    cache = empty_layer_cache(TINY, width + 1, BLOCK_SIZE)
+    y, cache, topk = jax.jit(lambda x, p, c, m: layer(x, p, c, m))(x, jnp.asarray(positions), cache, metadata)
+    return x, jnp.asarray(positions), y, cache, np.asarray(topk), slots
+
+
+def dense_mla_numpy(layer, x, positions, cache, slots, selection):
+    """Dense un-absorbed MLA in float64: K_h = [W_UK_h kv_c ; k_pe], V_h = W_UV_h kv_c, softmax over the
+    keys in selection[t] (request positions), then wo."""
+    c = layer.config
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)
+    q_nope, q_pe, _ = layer.project_query(x, positions)
+    q_nope, q_pe = f64(q_nope), f64(q_pe)
+    rows = f64(cache.kv_cache).reshape(-1, 576)[slots]  # [S, 576] in position order
+    kv_c, k_pe = rows[:, :512], rows[:, 512:]
+    w = f64(layer.wkv_b.kernel[...]).reshape(512, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
+    w_uk, w_uv = w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+    heads = np.zeros((x.shape[0], c.num_heads, c.v_head_dim))
+    for t, keys in enumerate(selection):
+        for h in range(c.num_heads):
+            k = np.concatenate([kv_c[keys] @ w_uk[:, h], k_pe[keys]], axis=-1)
+            logits = k @ np.concatenate([q_nope[t, h], q_pe[t, h]]) * c.softmax_scale
+            p = np.exp(logits - logits.max())
+            heads[t, h] = (p / p.sum()) @ (kv_c[keys] @ w_uv[:, h])
+    return heads.reshape(x.shape[0], -1) @ f64(layer.wo.kernel[...])
+
+
+@pytest.fixture(scope="module")
+def layer():
+    return MLASparseAttention(TINY, rngs=nnx.Rngs(0), implementation="xla")
+
+
+def relative_error(actual, expected):
+    return np.abs(np.asarray(jnp.asarray(actual, jnp.float32), np.float64) - expected).max() / np.abs(expected).max()
+
+
+def test_topk_covering_the_context_equals_dense_causal_attention(layer):
+    num_tokens = 100  # < index_topk = 128: every token keeps all its causal keys
+    x, positions, y, cache, topk, slots = prefill_one_request(layer, num_tokens)
+    for t in range(num_tokens):
+        assert sorted(topk[t][topk[t] >= 0]) == list(range(t + 1))
+    expected = dense_mla_numpy(layer, x, positions, cache, slots, [np.arange(t + 1) for t in range(num_tokens)])
+    assert relative_error(y, expected) < 1e-2
+
+
+def test_topk_below_the_context_equals_dense_attention_over_the_selection(layer):
+    num_tokens = 200
+    x, positions, y, cache, topk, slots = prefill_one_request(layer, num_tokens, seed=1)
+    selection = [np.sort(row[row >= 0]) for row in topk]
+    assert [len(s) for s in selection] == [min(t + 1, TINY.index_topk) for t in range(num_tokens)]
+    assert all(s.max() <= t for t, s in enumerate(selection))
+    expected = dense_mla_numpy(layer, x, positions, cache, slots, selection)
+    assert relative_error(y, expected) < 1e-2
+    # A different selection (the most recent keys) gives a different answer: the check can fail.
+    recent = [np.arange(max(0, t + 1 - TINY.index_topk), t + 1) for t in range(num_tokens)]
+    assert relative_error(y, dense_mla_numpy(layer, x, positions, cache, slots, recent)) > 1e-2
+
+
+def test_indexer_keeps_the_highest_scoring_causal_keys(layer):
+    num_tokens = 180
+    x, positions, _, cache, topk, slots = prefill_one_request(layer, num_tokens, seed=2)
+    c = TINY
+    indexer = layer.indexer
+    _, _, q_a = layer.project_query(x, positions)
+    q = indexer._rope(indexer.wq_b(q_a).reshape(num_tokens, c.index_n_heads, c.index_head_dim), positions)
+    q = np.asarray(q.astype(jnp.float32), np.float64)
+    weights = np.asarray(indexer.weights_proj(x).astype(jnp.float32), np.float64) * (
+        c.index_n_heads * c.index_head_dim) ** -0.5
+    keys = np.asarray(cache.index_cache.astype(jnp.float32), np.float64).reshape(-1, c.index_head_dim)[slots]
+    for t in range(num_tokens):
+        scores = (np.maximum(q[t] @ keys[: t + 1].T, 0) * weights[t][:, None]).sum(0)
+        chosen = topk[t][topk[t] >= 0]
+        rest = np.setdiff1d(np.arange(t + 1), chosen)
+        if rest.size:  # every kept key scores at least as high as every dropped one (bf16 slack)
+            assert scores[chosen].min() >= scores[rest].max() - 1e-2 * np.abs(scores).max()
+
+
+def test_rope_matches_the_yarn_formula():
+    x = np.random.default_rng(0).standard_normal((3, 2, 64)).astype(np.float32)
+    positions = np.array([0, 5, 1000])
+    out = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions, jnp.int32), TINY))
+    dim, base, factor = 64, TINY.rope_theta, TINY.rope_factor
+    freq = base ** -(np.arange(0, dim, 2) / dim)
+    turns = lambda b: dim * math.log(TINY.original_max_position_embeddings / (b * 2 * math.pi)) / (2 * math.log(base))
+    low, high = max(math.floor(turns(TINY.beta_fast)), 0), min(math.ceil(turns(TINY.beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
+    freq = freq / factor * ramp + freq * (1 - ramp)
+    for t, p in enumerate(positions):
+        angle = p * freq
+        even, odd = x[t, :, 0::2], x[t, :, 1::2]
+        np.testing.assert_allclose(out[t, :, 0::2], even * np.cos(angle) - odd * np.sin(angle), atol=5e-4)
+        np.testing.assert_allclose(out[t, :, 1::2], even * np.sin(angle) + odd * np.cos(angle), atol=5e-4)
+    assert factor > 1 and TINY.softmax_scale == pytest.approx(
+        TINY.qk_head_dim ** -0.5 * (0.1 * math.log(factor) + 1) ** 2)
