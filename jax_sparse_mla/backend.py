@@ -86,6 +86,23 @@ class _FlashInferMLASparseBackendBase:
     def get_required_kv_cache_layout(cls) -> str | None:
         return None
 
+    @classmethod
+    def supports_combination(cls, head_size: int, dtype, kv_cache_dtype: str | None,
+                             block_size: int | None, use_mla: bool, has_sink: bool,
+                             use_sparse: bool, use_mm_prefix: bool,
+                             device_capability: DeviceCapability,
+                             model_config: Any = None) -> str | None:
+        """None when the combination is supported, else the reason (vLLM's messages).
+
+        model_config: the model's HF text config (object or dict) for the qk_nope_head_dim and
+        index_topk checks; None skips them, as vLLM does without a model config.
+        """
+        return cls._unsupported_reason(dtype, kv_cache_dtype, model_config)
+
+    @classmethod
+    def _unsupported_reason(cls, dtype, kv_cache_dtype: str | None, model_config: Any) -> str | None:
+        raise NotImplementedError
+
 
 class FlashInferMLASparseTRTLLMBackend(_FlashInferMLASparseBackendBase):
     """SM100/SM103: FlashInfer's TRTLLM-gen sparse MLA kernel (the seed's backend)."""
@@ -102,12 +119,7 @@ class FlashInferMLASparseTRTLLMBackend(_FlashInferMLASparseBackendBase):
         return capability.major == 10
 
     @classmethod
-    def supports_combination(cls, head_size: int, dtype, kv_cache_dtype: str | None,
-                             block_size: int | None, use_mla: bool, has_sink: bool,
-                             use_sparse: bool, use_mm_prefix: bool,
-                             device_capability: DeviceCapability,
-                             model_config: Any = None) -> str | None:
-        """None when supported, else the reason (vLLM's messages). model_config: the HF text config."""
+    def _unsupported_reason(cls, dtype, kv_cache_dtype: str | None, model_config: Any) -> str | None:
         if kv_cache_dtype == "fp8_ds_mla":
             return "FLASHINFER_MLA_SPARSE SM10 does not support fp8_ds_mla kv-cache dtype"
         if model_config is not None:
@@ -145,11 +157,7 @@ class FlashInferMLASparseSM120Backend(_FlashInferMLASparseBackendBase):
         return capability.major == 12
 
     @classmethod
-    def supports_combination(cls, head_size: int, dtype, kv_cache_dtype: str | None,
-                             block_size: int | None, use_mla: bool, has_sink: bool,
-                             use_sparse: bool, use_mm_prefix: bool,
-                             device_capability: DeviceCapability,
-                             model_config: Any = None) -> str | None:
+    def _unsupported_reason(cls, dtype, kv_cache_dtype: str | None, model_config: Any) -> str | None:
         if not _native_kernel_available(12, "fp8_ds_mla"):
             return "FLASHINFER_MLA_SPARSE_SM120 requires FlashInfer's sparse MLA decode API"
         if jnp.dtype(dtype) != jnp.bfloat16:
@@ -195,11 +203,7 @@ class FlashInferMLASparseSM90Backend(_FlashInferMLASparseBackendBase):
         return capability.major == 9
 
     @classmethod
-    def supports_combination(cls, head_size: int, dtype, kv_cache_dtype: str | None,
-                             block_size: int | None, use_mla: bool, has_sink: bool,
-                             use_sparse: bool, use_mm_prefix: bool,
-                             device_capability: DeviceCapability,
-                             model_config: Any = None) -> str | None:
+    def _unsupported_reason(cls, dtype, kv_cache_dtype: str | None, model_config: Any) -> str | None:
         if kv_cache_dtype == "fp8_ds_mla":
             return "FLASHINFER_MLA_SPARSE_SM90 does not support fp8_ds_mla kv-cache dtype"
         if jnp.dtype(dtype) != jnp.bfloat16:

@@ -214,7 +214,6 @@ def lse_weighted_combine(
     m = jnp.max(lses32, axis=0)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     w = jnp.exp(lses32 - m) if is_lse_base_on_e else jnp.exp2(lses32 - m)
-    w = jnp.where(jnp.isnan(w), 0.0, w)  # unreachable after sanitising; kept for parity with vLLM
     w_sum = jnp.sum(w, axis=0)
     w = (w / jnp.maximum(w_sum, 1e-10))[..., None]
     # A weight-0 partial may be garbage (NaN from an empty shard): drop it instead of 0 * NaN.
