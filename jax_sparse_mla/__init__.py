@@ -47,3 +47,4 @@ __all__ = [
 ]
 
 # native kernels register themselves here
+from . import sm90  # registers the SM90 native kernel

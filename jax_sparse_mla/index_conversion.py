@@ -5,7 +5,9 @@ kernel reads physical rows `slot = block * block_size + offset` of a paged cache
 goes through the request's block table. Ports vLLM's target-era
 `sparse_utils.py::triton_convert_req_index_to_global_index` and
 `triton_filter_and_convert_dcp_index` as one vectorised [T, K] computation (no Triton tiling, so
-no tile-order races: compaction is a stable pack).
+no tile-order races: compaction is a stable pack). On a CUDA GPU the same public functions run the
+Pallas kernels of `index_conversion_pallas` instead (same checks, same bits; `implementation=`
+forces either).
 
 Per element (N = dcp_size, I = interleave, r = dcp_rank; plain converter: N = 1, r = 0):
 
@@ -26,13 +28,49 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as v
+from . import index_conversion_pallas
 from .dcp import _check_dcp_size, _check_rank_value
+from .kernels import current_device_capability
 
 __all__ = ["convert_req_index_to_global_index", "filter_and_convert_dcp_index"]
 
 # vLLM's Triton tile width along K; its kernels require K % BLOCK_N == 0, and so do we, so that
 # callers sized for the CUDA path behave the same here.
 BLOCK_N = 128
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def _auto_implementation(num_tokens: int, top_k: int, compact: bool, count: bool) -> str:
+    """What "auto" runs on a CUDA GPU for a [num_tokens, top_k] conversion.
+
+    XLA until benchmarks/bench_index_conversion.py has shown on the H200 where the Pallas kernel is
+    faster; the rule then becomes "Pallas there, XLA elsewhere".
+    """
+    del num_tokens, top_k, compact, count
+    return "xla"
+
+
+def _select_core(implementation: str, token_indices, compact: bool, count: bool):
+    """Returns the conversion core (`_convert` or its Pallas twin) that `implementation` names.
+
+    Decided at trace time from the default device, like the attention kernels (kernels.py).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
+        )
+    on_cuda = current_device_capability() is not None
+    if implementation == "pallas" and not on_cuda:
+        raise ValueError(
+            "implementation='pallas' needs a CUDA GPU (Pallas' Triton lowering); the default "
+            f"device is {jax.devices()[0].platform!r}. Use 'xla' or 'auto'."
+        )
+    if implementation == "auto":
+        implementation = (
+            _auto_implementation(*token_indices.shape, compact, count) if on_cuda else "xla"
+        )
+    return index_conversion_pallas.convert if implementation == "pallas" else _convert
 
 
 def _check_common(req_id_per_token, block_table, token_indices, block_size):
@@ -127,6 +165,7 @@ def convert_req_index_to_global_index(
     prefill_workspace_starts: jax.Array | None = None,
     return_valid_counts: bool = False,
     compact: bool = False,
+    implementation: str = "auto",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Maps each query token's top-k request positions to physical cache slots.
 
@@ -143,6 +182,9 @@ def convert_req_index_to_global_index(
       return_valid_counts: also return the number of valid slots per token.
       compact: pack valid slots to the front of each row in their original order, -1 after;
         False keeps them in place (vLLM's target-era default), holes included.
+      implementation: "auto" (whichever measured faster on a CUDA GPU, pure JAX elsewhere), "xla"
+        (always pure JAX) or "pallas" (the Pallas GPU kernel; ValueError without a CUDA GPU).
+        Every choice gives the same result, bit for bit.
 
     Returns:
       phys [T, K] int32 slots (`block * block_size + offset`, or `start + tok` for workspace
@@ -171,7 +213,8 @@ def convert_req_index_to_global_index(
             )
     else:
         pref_ids = pref_starts = None
-    phys, counts = _convert(
+    core = _select_core(implementation, token_indices, bool(compact), bool(return_valid_counts))
+    phys, counts = core(
         req_id_per_token, block_table, token_indices, 0, pref_ids, pref_starts,
         block_size=block_size, dcp_size=1, interleave=1, compact=bool(compact),
         count=bool(return_valid_counts),
@@ -190,6 +233,7 @@ def filter_and_convert_dcp_index(
     block_size: int = 64,
     return_valid_counts: bool = False,
     compact: bool = True,
+    implementation: str = "auto",
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """Keeps the top-k positions this DCP rank owns and maps them to its local cache slots.
 
@@ -208,6 +252,9 @@ def filter_and_convert_dcp_index(
       return_valid_counts: also return the number of owned, valid slots per token.
       compact: pack the owned slots to the front of each row (stable order), -1 after; False
         leaves each at its original column.
+      implementation: "auto" (whichever measured faster on a CUDA GPU, pure JAX elsewhere), "xla"
+        (always pure JAX) or "pallas" (the Pallas GPU kernel; ValueError without a CUDA GPU).
+        Every choice gives the same result, bit for bit.
 
     Returns:
       phys [T, K] int32 local slots, -1 for invalid, out-of-width or remote positions; with
@@ -224,7 +271,8 @@ def filter_and_convert_dcp_index(
             f"block_size ({block_size}) must be a multiple of cp_kv_cache_interleave_size "
             f"({interleave})."
         )
-    phys, counts = _convert(
+    core = _select_core(implementation, token_indices, bool(compact), bool(return_valid_counts))
+    phys, counts = core(
         req_id_per_token, block_table, token_indices, rank, None, None,
         block_size=block_size, dcp_size=n, interleave=interleave, compact=bool(compact),
         count=bool(return_valid_counts),

@@ -1,0 +1,342 @@
+"""Sparse MLA decode on an SM90 GPU: the native handler vs pure JAX vs FlashInfer's fa3 kernel from torch.
+
+Run: python benchmarks/bench_sm90.py [--out benchmarks/results] [--tokens ..] [--heads ..]
+     [--fp8-tokens ..] [--fp8-heads ..]
+
+In one process, by default for T in {1, 8, 32, 128, 512} x H in {16, 64, 128}, K = 2048, bf16 cache,
+and T in {8, 128, 512} x H in {16, 128} with an fp8 cache:
+  native            jax.jit(sparse_mla_decode(..., implementation="native"))  (this package, XLA FFI)
+  xla               jax.jit(sparse_mla_decode(..., implementation="xla"))     (pure JAX)
+  flashinfer_torch  FlashInfer's BatchMLAPagedAttentionWrapper(backend="fa3"), page_size = 1, from torch
+Realistic layout: token t of index set s draws its K distinct slots from its own region of 8192 rows
+(region s * T + t of 512), so no row is shared between tokens and consecutive calls rotate through
+index sets holding 512 * 2048 rows (1.2 GB bf16) in all: every gathered byte comes from HBM.
+
+Timing: per-call device time in steady state.
+  JAX: a jitted function running n calls back to back (unrolled; 32 native, 4 pure JAX); the
+       per-call time is (median wall time - median wall time of a trivial jitted call) / n, so the
+       one-off dispatch cost of the jitted call drops out.
+  torch: n run() calls captured in one CUDA graph, replayed and timed with CUDA events (the
+       wrapper's Python overhead is not in the number; without a graph it would dominate small T).
+FLOP = 2*T*H*K*(576+512); bytes = T*K*576*itemsize(kv) + T*H*(576+512)*2 (q in, out out).
+Roofline in the same run: bf16 8192^3 matmul (torch) and a 4 GiB device copy (bytes read + written).
+Also: T = 1 per-iteration time of a jitted decode loop (lax.fori_loop of 200 steps).
+Writes <out>/h200.json and <out>/h200.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_sparse_mla as jsm  # noqa: E402
+
+K = 2048
+REGION_ROWS = 8192
+NUM_REGIONS = 512  # = max T; each index set uses T regions
+TOKENS = (1, 8, 32, 128, 512)
+HEADS = (16, 64, 128)
+# fp8 runs on a subset by default (device time); --fp8-tokens / --fp8-heads widen it.
+FP8_TOKENS = (8, 128, 512)
+FP8_HEADS = (16, 128)
+SCALE = 192 ** -0.5
+K_SCALE = 0.5
+
+
+def flop(t, h):
+    return 2 * t * h * K * (576 + 512)
+
+
+def nbytes(t, h, kv_dtype):
+    return t * K * 576 * (1 if kv_dtype == "fp8" else 2) + t * h * (576 + 512) * 2
+
+
+def median_seconds(fn, repeats):
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def make_inputs(seed=0):
+    """(bf16 cache [rows, 576], fp8 cache [rows, 576]) over NUM_REGIONS regions, made on device."""
+    rows = NUM_REGIONS * REGION_ROWS
+    bf16 = jax.random.normal(jax.random.key(seed), (rows, 576), jnp.bfloat16)
+    fp8 = (bf16.astype(jnp.float32) / K_SCALE).astype(jnp.float8_e4m3fn)
+    return bf16, fp8
+
+
+def index_sets(num_tokens, seed=1):
+    """[S, T, K] int32: set s, token t draws K distinct rows of region s * T + t."""
+    num_sets = NUM_REGIONS // num_tokens
+    regions = num_sets * num_tokens
+    keys = jax.random.uniform(jax.random.key(seed), (regions, REGION_ROWS))
+    picks = jnp.argsort(keys, axis=1)[:, :K].astype(jnp.int32)
+    slots = picks + (jnp.arange(regions, dtype=jnp.int32) * REGION_ROWS)[:, None]
+    return slots.reshape(num_sets, num_tokens, K)
+
+
+@jax.jit
+def _no_op(q, cache, sets):
+    return q[0, 0, 0] + sets[0, 0, 0].astype(q.dtype)
+
+
+def dispatch_seconds(q, cache, sets):
+    """Wall time of dispatching and awaiting a trivial jitted call on the same arguments."""
+    jax.block_until_ready(_no_op(q, cache, sets))
+    return median_seconds(lambda: jax.block_until_ready(_no_op(q, cache, sets)), 20)
+
+
+def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats):
+    """Per-call seconds of sparse_mla_decode: `calls` unrolled calls in one jitted function, less the
+    fixed cost of dispatching a jitted call, divided by `calls`."""
+    k_scale = K_SCALE if kv_dtype == "fp8" else 1.0
+    num_sets = sets.shape[0]
+
+    # One query per call: identical calls (same query, same index set) would be merged by XLA's
+    # common-subexpression elimination and timed once.
+    queries = q[None] * jnp.arange(1, calls + 1, dtype=q.dtype)[:, None, None, None]
+
+    def run(queries, cache, sets):
+        return [jsm.sparse_mla_decode(queries[i], cache.reshape(-1, 64, 576), sets[i % num_sets],
+                                      scale=SCALE, k_scale=k_scale,
+                                      implementation=implementation)[0] for i in range(calls)]
+
+    fn = jax.jit(run)
+    jax.block_until_ready(fn(queries, cache, sets))  # compile + warm up
+    total = median_seconds(lambda: jax.block_until_ready(fn(queries, cache, sets)), repeats)
+    return max(total - dispatch_seconds(q, cache, sets), 0.0) / calls
+
+
+def time_decode_loop(implementation, q, cache, sets, steps=200):
+    """Per-iteration seconds of a jitted lax.fori_loop whose body is one T = 1 decode."""
+    num_sets = sets.shape[0]
+
+    def loop(q, cache, sets):
+        def body(i, acc):
+            out, _ = jsm.sparse_mla_decode(q, cache.reshape(-1, 64, 576), sets[i % num_sets],
+                                           scale=SCALE, implementation=implementation)
+            return acc + out[0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
+
+    fn = jax.jit(loop)
+    jax.block_until_ready(fn(q, cache, sets))
+    return median_seconds(lambda: jax.block_until_ready(fn(q, cache, sets)), 5) / steps
+
+
+class TorchFa3:
+    """FlashInfer's fa3 MLA kernel from torch on the same device buffers (shared through DLPack)."""
+
+    def __init__(self):
+        import torch
+        import flashinfer  # noqa: F401  (imported for its side effects: JIT module registry)
+        from flashinfer.mla import BatchMLAPagedAttentionWrapper
+
+        self.torch = torch
+        self.wrapper_cls = BatchMLAPagedAttentionWrapper
+        self.workspace = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
+
+    def as_torch(self, array):
+        if array.dtype == jnp.float8_e4m3fn:  # export the bytes, view them as fp8 again
+            u8 = jax.lax.bitcast_convert_type(array, jnp.uint8)
+            return self.torch.from_dlpack(u8).view(self.torch.float8_e4m3fn)
+        return self.torch.from_dlpack(array)
+
+    def time(self, q, cache, sets, kv_dtype, calls=32, repeats=10):
+        torch = self.torch
+        num_sets, num_tokens, _ = sets.shape
+        num_heads = q.shape[1]
+        q_t = self.as_torch(q)
+        kv = self.as_torch(cache)
+        ckv, kpe = kv[:, None, :512], kv[:, None, 512:]
+        q_nope, q_pe = q_t[..., :512], q_t[..., 512:]
+        out = torch.empty((num_tokens, num_heads, 512), dtype=torch.bfloat16, device="cuda")
+        qo_indptr = torch.arange(num_tokens + 1, dtype=torch.int32, device="cuda")
+        kv_indptr = qo_indptr * K
+        kv_len = torch.full((num_tokens,), K, dtype=torch.int32, device="cuda")
+        sets_t = self.as_torch(sets)
+        wrappers = []
+        for s in range(min(num_sets, calls)):
+            wrapper = self.wrapper_cls(self.workspace, backend="fa3")
+            wrapper.plan(qo_indptr=qo_indptr, kv_indptr=kv_indptr,
+                         kv_indices=sets_t[s].reshape(-1).contiguous(), kv_len_arr=kv_len,
+                         num_heads=num_heads, head_dim_ckv=512, head_dim_kpe=64, page_size=1,
+                         causal=False, sm_scale=SCALE,
+                         q_data_type=torch.bfloat16,
+                         kv_data_type=torch.float8_e4m3fn if kv_dtype == "fp8" else torch.bfloat16)
+            wrappers.append(wrapper)
+        scales = dict(ckv_scale=K_SCALE, kpe_scale=K_SCALE) if kv_dtype == "fp8" else {}
+
+        def run_all():
+            for i in range(calls):
+                wrappers[i % len(wrappers)].run(q_nope, q_pe, ckv, kpe, out=out, **scales)
+
+        run_all()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            run_all()  # warm up on the capture stream
+            torch.cuda.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                run_all()
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+        return statistics.median(times)
+
+
+def rooflines():
+    import torch
+
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    end.synchronize()
+    peak_tflops = 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3) / 1e12
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    peak_gbps = 10 * 2 * src.numel() / (start.elapsed_time(end) / 1e3) / 1e9
+    del a, b, src, dst
+    torch.cuda.empty_cache()
+    return peak_tflops, peak_gbps
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["kv_dtype"], r["H"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
+    colors = {"native": "C0", "flashinfer_torch": "C1", "xla": "C2"}
+    for ax, (kv_dtype, heads) in zip(axes[0], panels):
+        for backend, color in colors.items():
+            pts = sorted((r["T"], r["us"]) for r in rows if r["backend"] == backend
+                         and r["H"] == heads and r["kv_dtype"] == kv_dtype and r["us"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=backend, color=color)
+        ax.set(xscale="log", yscale="log", xlabel="T (tokens)", ylabel="µs per call",
+               title=f"{kv_dtype} cache, H={heads}, K={K}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--tokens", type=int, nargs="+", default=TOKENS, help="T values (bf16)")
+    parser.add_argument("--heads", type=int, nargs="+", default=HEADS, help="H values (bf16)")
+    parser.add_argument("--fp8-tokens", type=int, nargs="*", default=FP8_TOKENS)
+    parser.add_argument("--fp8-heads", type=int, nargs="*", default=FP8_HEADS)
+    parser.add_argument("--no-torch", action="store_true", help="skip FlashInfer from torch")
+    parser.add_argument("--no-loop", action="store_true", help="skip the T = 1 decode loop")
+    args = parser.parse_args()
+    grids = {"bf16": (args.tokens, args.heads), "fp8": (args.fp8_tokens, args.fp8_heads)}
+    device = jax.devices()[0]
+    try:
+        peak_tflops, peak_gbps = rooflines()
+        torch_fa3 = None if args.no_torch else TorchFa3()
+    except Exception as error:  # noqa: BLE001  (report and go on without the torch column)
+        print(f"torch / flashinfer unavailable: {error!r}", file=sys.stderr)
+        torch_fa3, peak_tflops, peak_gbps = None, float("nan"), float("nan")
+    print(f"device {device.device_kind}; roofline: {peak_tflops:.1f} TFLOP/s bf16, {peak_gbps:.0f} GB/s copy",
+          flush=True)
+
+    caches = dict(zip(("bf16", "fp8"), make_inputs()))
+    rows, loops = [], []
+    os.makedirs(args.out, exist_ok=True)
+
+    def save():  # after every measurement, so that a run cut short keeps what it measured
+        result = dict(
+            device=f"{device.device_kind} (jax {jax.__version__})",
+            date=datetime.date.today().isoformat(),
+            command="python " + " ".join(sys.argv),
+            peak_tflops=round(peak_tflops, 1), peak_gbps=round(peak_gbps, 1),
+            layout=f"per-token regions of {REGION_ROWS} rows, no row shared, index sets rotated",
+            rows=rows, decode_loop=loops)
+        with open(os.path.join(args.out, "h200.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+    sets = index_sets(1)
+    for h in () if args.no_loop else (16, 128):
+        q = jax.random.normal(jax.random.key(h), (1, h, 576), jnp.bfloat16)
+        for backend in ("native", "xla"):
+            us = time_decode_loop(backend, q, caches["bf16"], sets) * 1e6
+            loops.append(dict(backend=backend, T=1, H=h, K=K, kv_dtype="bf16",
+                              us_per_iteration=round(us, 2)))
+            print(f"decode loop T=1 H={h} {backend}: {us:.1f} us/iteration", flush=True)
+    for kv_dtype in ("bf16", "fp8"):
+        cache = caches[kv_dtype]
+        tokens, heads_list = grids[kv_dtype]
+        for t in tokens:
+            sets = index_sets(t)
+            for h in heads_list:
+                q = jax.random.normal(jax.random.key(t * h), (t, h, 576), jnp.bfloat16)
+                timings = {
+                    "native": time_jax("native", q, cache, sets, kv_dtype, 32, 5),
+                    "xla": time_jax("xla", q, cache, sets, kv_dtype, 4, 3),
+                }
+                if torch_fa3 is not None:
+                    try:
+                        timings["flashinfer_torch"] = torch_fa3.time(q, cache, sets, kv_dtype)
+                    except Exception as error:  # noqa: BLE001
+                        print(f"flashinfer_torch T={t} H={h} {kv_dtype}: {error!r}", file=sys.stderr)
+                for backend, seconds in timings.items():
+                    rows.append(dict(backend=backend, T=t, H=h, K=K, kv_dtype=kv_dtype,
+                                     us=round(seconds * 1e6, 2),
+                                     tflops=round(flop(t, h) / seconds / 1e12, 2) if seconds else None,
+                                     gbps=round(nbytes(t, h, kv_dtype) / seconds / 1e9, 1) if seconds else None))
+                print(" ".join(f"{b}={s * 1e6:8.1f}us" for b, s in timings.items()),
+                      f"T={t} H={h} {kv_dtype}", flush=True)
+                save()
+
+    save()
+    plot(rows, os.path.join(args.out, "h200.png"))
+
+    print(f"\n{'backend':>17} {'T':>4} {'H':>4} {'kv':>4} {'us':>9} {'TF/s':>7} {'%TF':>6} {'GB/s':>7} {'%BW':>6}")
+    for r in rows:
+        print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>4} {r['us']:>9.1f} "
+              f"{r['tflops']:>7.1f} {100 * r['tflops'] / peak_tflops:>5.1f}% {r['gbps']:>7.0f} "
+              f"{100 * r['gbps'] / peak_gbps:>5.1f}%")
+    for r in loops:
+        print(f"decode loop T=1 H={r['H']} {r['backend']}: {r['us_per_iteration']:.1f} us/iteration")
+
+
+if __name__ == "__main__":
+    main()

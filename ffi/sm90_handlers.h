@@ -1,0 +1,9 @@
+// C symbols of the SM90 XLA FFI handlers, for the nanobind module (which includes no CUDA code).
+#pragma once
+
+#include "xla/ffi/api/api.h"
+
+// Sparse MLA decode, bf16 query, bf16 [N, 576] cache.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90DecodeBf16);
+// Sparse MLA decode, bf16 query, float8_e4m3fn [N, 576] cache with a per-tensor scale.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90DecodeFp8);
