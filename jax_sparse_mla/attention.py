@@ -23,9 +23,11 @@ from . import kernels
 from .kv_cache import dequantize_ds_mla_rows
 
 LSE_BASES = ("e", "2")
-# Keys processed per online-softmax step of the pure-JAX kernel: bounds the gathered working set to
-# T * _XLA_CHUNK rows (T=512, H=128, K=2048 needs ~0.2 GB per step instead of ~1.2 GB at once).
-_XLA_CHUNK = 256
+# The pure-JAX kernel gathers at most about _XLA_GATHER_ROWS cache rows (151 MB of bf16) per
+# online-softmax step, in chunks of at least _XLA_MIN_CHUNK keys: small decode batches take all K keys
+# in one step (a scan step costs several kernel launches), T=512 x K=2048 takes 8 steps of 256.
+_XLA_GATHER_ROWS = 1 << 17
+_XLA_MIN_CHUNK = 256
 
 
 def _kv_layout(kv_cache, kv_cache_dtype: str) -> str:
@@ -213,7 +215,7 @@ def _xla_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
     precision = jax.lax.Precision.HIGHEST if compute_dtype == jnp.float32 else None
 
     num_keys = indices.shape[1]
-    chunk = min(_XLA_CHUNK, max(num_keys, 1))
+    chunk = min(max(_XLA_GATHER_ROWS // num_tokens, _XLA_MIN_CHUNK), max(num_keys, 1))
     num_chunks = -(-num_keys // chunk)
     padded = jnp.pad(indices, ((0, 0), (0, num_chunks * chunk - num_keys)), constant_values=-1)
     chunks = padded.reshape(num_tokens, num_chunks, chunk).transpose(1, 0, 2)
