@@ -47,6 +47,14 @@ def check_int32(name: str, array) -> None:
     check_dtype(name, array, (jnp.int32,))
 
 
+def int32_array(name: str, value, rank: int):
+    """`value` as an array, checked to be int32 of the given rank."""
+    array = as_array(name, value)
+    check_int32(name, array)
+    check_rank(name, array, rank)
+    return array
+
+
 def check_last_dim(name: str, array, size: int) -> None:
     if array.shape[-1] != size:
         raise ValueError(

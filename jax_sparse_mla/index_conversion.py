@@ -74,15 +74,9 @@ def _select_core(implementation: str, token_indices, compact: bool, count: bool)
 
 
 def _check_common(req_id_per_token, block_table, token_indices, block_size):
-    req_id_per_token = v.as_array("req_id_per_token", req_id_per_token)
-    block_table = v.as_array("block_table", block_table)
-    token_indices = v.as_array("token_indices", token_indices)
-    v.check_int32("req_id_per_token", req_id_per_token)
-    v.check_int32("block_table", block_table)
-    v.check_int32("token_indices", token_indices)
-    v.check_rank("req_id_per_token", req_id_per_token, 1)
-    v.check_rank("block_table", block_table, 2)
-    v.check_rank("token_indices", token_indices, 2)
+    req_id_per_token = v.int32_array("req_id_per_token", req_id_per_token, 1)
+    block_table = v.int32_array("block_table", block_table, 2)
+    token_indices = v.int32_array("token_indices", token_indices, 2)
     if req_id_per_token.shape[0] != token_indices.shape[0]:
         # vLLM's regression guard (#47327): a longer req_id silently mis-assigned requests.
         raise ValueError(
@@ -200,12 +194,8 @@ def convert_req_index_to_global_index(
             "(or both left None)."
         )
     if prefill_workspace_request_ids is not None:
-        pref_ids = v.as_array("prefill_workspace_request_ids", prefill_workspace_request_ids)
-        pref_starts = v.as_array("prefill_workspace_starts", prefill_workspace_starts)
-        v.check_int32("prefill_workspace_request_ids", pref_ids)
-        v.check_int32("prefill_workspace_starts", pref_starts)
-        v.check_rank("prefill_workspace_request_ids", pref_ids, 1)
-        v.check_rank("prefill_workspace_starts", pref_starts, 1)
+        pref_ids = v.int32_array("prefill_workspace_request_ids", prefill_workspace_request_ids, 1)
+        pref_starts = v.int32_array("prefill_workspace_starts", prefill_workspace_starts, 1)
         if pref_ids.shape[0] != token_indices.shape[0]:
             raise ValueError(
                 "prefill_workspace_request_ids must have one entry per token: got shape "
