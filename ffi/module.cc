@@ -4,9 +4,15 @@
 #include <string>
 #include <type_traits>
 
+#include "cubin_loader.h"
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
+#include "sha256.h"
+#include "sm120_plan.h"
 #include "sm90_handlers.h"
 #include "sm90_schedule.h"
+#include "trtllm_gen.h"
 
 namespace nb = nanobind;
 
@@ -21,11 +27,67 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 
 nb::dict Registrations() {
   nb::dict targets;
+#ifdef JAX_SPARSE_MLA_HAS_SM90
   targets["jax_sparse_mla_sm90_decode_bf16"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeBf16);
   targets["jax_sparse_mla_sm90_decode_fp8"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeFp8);
+#endif
+#ifdef JAX_SPARSE_MLA_HAS_SM100
+  targets["jax_sparse_mla_trtllm_gen_decode"] = EncapsulateFfiHandler(JaxSparseMlaTrtllmGenDecode);
+#endif
+#ifdef JAX_SPARSE_MLA_HAS_SM120
+  targets["jax_sparse_mla_sm120_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm120Decode);
+#endif
   return targets;
 }
 
+// Which handler families this build holds and the machine code each was compiled for.
+nb::dict BuildInfo() {
+  nb::dict info;
+#ifdef JAX_SPARSE_MLA_HAS_SM90
+  info["sm90"] = JAX_SPARSE_MLA_SM90_GENCODE;
+#endif
+#ifdef JAX_SPARSE_MLA_HAS_SM100
+  const jax_sparse_mla::TrtllmGenBuildInfo trtllm = jax_sparse_mla::GetTrtllmGenBuildInfo();
+  info["sm100"] = JAX_SPARSE_MLA_SM100_GENCODE;
+  info["trtllm_gen_num_kernels"] = trtllm.num_kernels;
+  info["trtllm_gen_cubin_path"] = trtllm.cubin_path;
+  info["trtllm_gen_metainfo_hash"] = trtllm.metainfo_hash;
+#endif
+#ifdef JAX_SPARSE_MLA_HAS_SM120
+  info["sm120"] = JAX_SPARSE_MLA_SM120_GENCODE;
+#endif
+  return info;
+}
+
+nb::bytes ResolveCubin(const std::string& path, const std::string& sha256) {
+  std::string data, error;
+  bool found;
+  {
+    nb::gil_scoped_release release;
+    found = jax_sparse_mla::ResolveCubin(path, sha256, &data, &error);
+  }
+  if (!found) throw std::runtime_error(error);
+  return nb::bytes(data.data(), data.size());
+}
+
+std::string Sha256Hex(nb::bytes data) {
+  return jax_sparse_mla::Sha256Hex(data.c_str(), data.size());
+}
+
+nb::dict Sm120Plan(int64_t num_tokens, int64_t num_heads, int64_t top_k, int64_t sm_count) {
+  jax_sparse_mla::Sm120Plan plan;
+  const std::string error =
+      jax_sparse_mla::PlanSm120Decode(num_tokens, num_heads, top_k, sm_count, &plan);
+  if (!error.empty()) throw nb::value_error(error.c_str());
+  nb::dict result;
+  result["chunks"] = plan.chunks;
+  result["chunks_per_block"] = plan.chunks_per_block;
+  result["num_splits"] = plan.num_splits;
+  result["scratch_heads"] = plan.scratch_heads;
+  return result;
+}
+
+#ifdef JAX_SPARSE_MLA_HAS_SM90
 nb::dict Sm90Schedule(int64_t num_tokens, int64_t num_heads, int64_t padded_keys,
                       int device_ordinal) {
   jax_sparse_mla::Sm90Schedule schedule;
@@ -49,16 +111,40 @@ nb::dict Sm90Schedule(int64_t num_tokens, int64_t num_heads, int64_t padded_keys
   return result;
 }
 
+#endif
+
 }  // namespace
 
 NB_MODULE(_jax_sparse_mla_native, m) {
   m.doc() = "Native kernels of jax_sparse_mla (XLA FFI handlers for CUDA).";
   m.def("registrations", &Registrations,
         "Maps each FFI target name to a capsule of its XLA FFI handler (platform CUDA).");
+#ifdef JAX_SPARSE_MLA_HAS_SM90
   m.def("sm90_schedule", &Sm90Schedule, nb::arg("num_tokens"), nb::arg("num_heads"),
         nb::arg("padded_keys"), nb::arg("device_ordinal"),
         "Plans FlashInfer's SM90 MLA kernel for a static decode shape on the host. Returns a dict "
         "with 'schedule' (bytes of an int32 array, the kernel's work lists) and the integers "
         "num_works, cluster_size, num_clusters, num_sms, partial_o_offset, partial_lse_offset, "
         "float_workspace_bytes.");
+#endif
+  m.def("build_info", &BuildInfo,
+        "Handler families in this build ('sm90', 'sm100', 'sm120': comma-separated machine-code "
+        "targets) and, with sm100, the TRTLLM-gen kernel table compiled in "
+        "(trtllm_gen_num_kernels: 0 when FlashInfer's flashInferMetaInfo.h was not found).");
+  m.def("sha256_hex", &Sha256Hex, nb::arg("data"),
+        "SHA-256 of bytes as lower-case hex (the digest the cubin loader checks).");
+  m.def("resolve_cubin", &ResolveCubin, nb::arg("path"), nb::arg("sha256"),
+        "Reads a FlashInfer cubin as the TRTLLM-gen loader does: the first file "
+        "<folder>/<path> whose sha256 matches, over cubin_search_dirs(). Raises RuntimeError "
+        "naming the file and every place tried; never downloads.");
+  m.def("cubin_search_dirs", &jax_sparse_mla::CubinSearchDirs,
+        "Folders the cubin loader searches, in order: $FLASHINFER_CUBIN_DIR, the flashinfer-cubin "
+        "package (see set_cubin_package_dir), ${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer/"
+        "cubins.");
+  m.def("set_cubin_package_dir", &jax_sparse_mla::SetCubinPackageDir, nb::arg("path"),
+        "Registers the flashinfer-cubin package's cubin folder ('' to clear).");
+  m.def("sm120_plan", &Sm120Plan, nb::arg("num_tokens"), nb::arg("num_heads"), nb::arg("top_k"),
+        nb::arg("sm_count"),
+        "FlashInfer's split-K plan for the SM120 DSv3.2 decode: dict with chunks, "
+        "chunks_per_block, num_splits and scratch_heads.");
 }

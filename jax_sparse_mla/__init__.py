@@ -21,6 +21,12 @@ from .metadata import (
     FlashInferMLASparseMetadata,
     FlashInferMLASparseMetadataBuilder,
 )
+from .parallel import (
+    dcp_slot_mapping,
+    make_decode_mesh,
+    sharded_concat_and_cache_mla,
+    sharded_sparse_mla_decode,
+)
 
 __version__ = "0.1.0"
 
@@ -39,12 +45,18 @@ __all__ = [
     "convert_req_index_to_global_index",
     "correct_attn_out",
     "cp_lse_ag_out_rs",
+    "dcp_slot_mapping",
     "filter_and_convert_dcp_index",
     "get_dcp_local_seq_lens",
     "lse_weighted_combine",
+    "make_decode_mesh",
     "quantize_query_fp8",
+    "sharded_concat_and_cache_mla",
+    "sharded_sparse_mla_decode",
     "sparse_mla_decode",
 ]
 
 # native kernels register themselves here
 from . import sm90  # registers the SM90 native kernel
+from . import sm120  # registers the SM120/SM121 native kernel
+from . import trtllm_gen  # registers the SM100/SM103 native kernel

@@ -7,6 +7,11 @@ None, `available()` is False and the package runs its pure-JAX kernels.
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
+import os
+import pathlib
+
 import jax
 
 try:
@@ -18,6 +23,51 @@ else:
     import_error = None
     for _name, _capsule in module.registrations().items():
         jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+
+# Names of the XLA FFI targets the extension registered (empty without it).
+targets: frozenset[str] = frozenset(module.registrations()) if module is not None else frozenset()
+
+
+def flashinfer_cubin_package_dir() -> str:
+    """The flashinfer-cubin package's cubins/ folder when its version equals flashinfer-python's.
+
+    FlashInfer's rule (flashinfer/jit/env.py): a package of another version is ignored unless
+    FLASHINFER_DISABLE_VERSION_CHECK is set. Found without importing either package (flashinfer imports
+    torch).
+    """
+    spec = importlib.util.find_spec("flashinfer_cubin")
+    if spec is None or not spec.submodule_search_locations:
+        return ""
+    try:
+        cubin_version = importlib.metadata.version("flashinfer-cubin")
+        flashinfer_version = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+    if cubin_version != flashinfer_version and not os.environ.get("FLASHINFER_DISABLE_VERSION_CHECK"):
+        return ""
+    return str(pathlib.Path(next(iter(spec.submodule_search_locations))) / "cubins")
+
+
+if module is not None and hasattr(module, "set_cubin_package_dir"):
+    module.set_cubin_package_dir(flashinfer_cubin_package_dir())
+
+
+def build_info() -> dict:
+    """What the extension was built with (module.build_info(); {} without the extension)."""
+    if module is None or not hasattr(module, "build_info"):
+        return {}
+    return dict(module.build_info())
+
+
+def has_target(name: str) -> bool:
+    """True when the extension registered the XLA FFI target `name`."""
+    return name in targets
+
+
+def built_for(family: str, capability: tuple[int, int]) -> bool:
+    """Whether the `family` handlers ("sm90", "sm100", "sm120") hold machine code for `capability`."""
+    gencode = build_info().get(family, "")
+    return f"{capability[0]}{capability[1]}a" in gencode.split(",")
 
 
 def available() -> bool:

@@ -155,7 +155,11 @@ def sparse_mla_decode(
         )
     if lse_base not in LSE_BASES:
         raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}.")
-    kernel = kernels.select_kernel(layout, jnp.dtype(q.dtype).name, implementation)
+    problem = kernels.Problem(
+        num_tokens=math.prod(leading), num_heads=q.shape[-2], num_keys=topk_indices.shape[-1],
+        block_size=kv_cache.shape[1], kv_layout=layout, q_dtype=jnp.dtype(q.dtype).name,
+    )
+    kernel = kernels.select_kernel(layout, problem.q_dtype, implementation, problem)
     return _decode(
         q, kv_cache, topk_indices, valid_counts,
         kernel=kernel, bmm1_scale=scale * q_scale * k_scale, bmm2_scale=k_scale, lse_base=lse_base,
@@ -240,7 +244,13 @@ def _xla_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
     init = (jnp.full((num_tokens, num_heads), -jnp.inf, jnp.float32),
             jnp.zeros((num_tokens, num_heads), jnp.float32),
             jnp.zeros((num_tokens, num_heads, v.MLA_V_DIM), jnp.float32))
-    (running_max, denom, acc), _ = jax.lax.scan(step, init, chunks)
+    # The first chunk runs outside the scan: its carry then varies over the same shard_map axes as the
+    # body's output (a scan under shard_map(check_vma=True) rejects a constant initial carry), and a
+    # single-chunk call needs no scan at all.
+    carry, _ = step(init, chunks[0])
+    if num_chunks > 1:
+        carry, _ = jax.lax.scan(step, carry, chunks[1:])
+    running_max, denom, acc = carry
     has_keys = denom > 0
     out = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, denom, 1.0)[..., None], 0.0)
     lse = jnp.where(has_keys, jnp.log(jnp.where(has_keys, denom, 1.0)) + running_max, -jnp.inf)

@@ -17,7 +17,9 @@ scale folding once and then hands over:
     lse:        [T, H] float32. A row with no valid index has out = 0 and lse = -inf.
 
 A kernel is chosen at trace time from the device that JAX computes on (platform and CUDA compute
-capability) and the cache layout. The pure-JAX kernel runs everywhere and is the reference.
+capability), the cache layout, the query dtype and, for kernels with shape limits, the problem's
+static shapes (`Problem`, checked by the kernel's `check`). The pure-JAX kernel runs everywhere and is
+the reference.
 """
 
 from __future__ import annotations
@@ -31,6 +33,22 @@ IMPLEMENTATIONS = ("auto", "xla", "native")
 
 
 @dataclasses.dataclass(frozen=True)
+class Problem:
+    """The static description of one decode call that a native kernel may reject.
+
+    num_tokens: T (all leading dims of q flattened); num_heads: H; num_keys: K (top-k width);
+    block_size: the cache's second dim; kv_layout: as in SparseMLAKernel; q_dtype: dtype name.
+    """
+
+    num_tokens: int
+    num_heads: int
+    num_keys: int
+    block_size: int
+    kv_layout: str
+    q_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
 class SparseMLAKernel:
     """One implementation of the decode kernel.
 
@@ -41,6 +59,8 @@ class SparseMLAKernel:
     q_dtypes:        query dtype names it accepts.
     fn:              the kernel (contract in the module docstring).
     available:       whether it can run in this process (extension built and loaded).
+    check:           optional check(problem, (major, minor)) -> None, or the reason the kernel cannot
+                     run this problem on this device (shape limits, dtype pairing, built targets).
     """
 
     name: str
@@ -50,6 +70,7 @@ class SparseMLAKernel:
     q_dtypes: tuple[str, ...]
     fn: Callable
     available: Callable[[], bool] = lambda: True
+    check: Callable[[Problem, tuple[int, int]], str | None] | None = None
 
 
 _KERNELS: list[SparseMLAKernel] = []
@@ -78,11 +99,13 @@ def current_device_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
-def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto") -> SparseMLAKernel:
+def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto",
+                  problem: Problem | None = None) -> SparseMLAKernel:
     """Picks the kernel for this device, cache layout and query dtype.
 
     implementation: "auto" (a native kernel when one fits, else pure JAX), "xla" (always pure JAX) or
     "native" (a native kernel, or a clear error saying why none fits).
+    problem: the call's static shapes, checked by kernels that have limits (None skips the checks).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
@@ -107,6 +130,9 @@ def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto
             reasons.append(f"{kernel.name}: query dtype {q_dtype_name} not in {kernel.q_dtypes}")
         elif not kernel.available():
             reasons.append(f"{kernel.name}: the native extension is not built or failed to load")
+        elif problem is not None and kernel.check is not None and (
+                reason := kernel.check(problem, capability)):
+            reasons.append(f"{kernel.name}: {reason}")
         else:
             return kernel
     if implementation == "native":

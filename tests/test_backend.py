@@ -261,11 +261,23 @@ def test_trtllm_supports_combination_messages():
     assert _combination(b, model_config={"qk_nope_head_dim": 128, "index_topk": 2048}) is None
 
 
-def test_sm120_supports_combination_messages():
+@pytest.mark.parametrize("native_available", [False, True])
+def test_sm120_supports_combination_messages(monkeypatch, native_available):
+    from jax_sparse_mla import _native
+
+    targets = _native.targets | {"jax_sparse_mla_sm120_decode"} if native_available else frozenset()
+    monkeypatch.setattr(_native, "targets", targets)
     b = jsm.FlashInferMLASparseSM120Backend
-    # No SM120 native kernel is registered in this build: vLLM's "API missing" answer comes first.
-    assert _combination(b, cc=CC(12, 0)) == (
-        "FLASHINFER_MLA_SPARSE_SM120 requires FlashInfer's sparse MLA decode API")
+    if not native_available:
+        # Without the SM120 native kernel, vLLM's "API missing" answer comes first.
+        assert _combination(b, cc=CC(12, 0)) == (
+            "FLASHINFER_MLA_SPARSE_SM120 requires FlashInfer's sparse MLA decode API")
+        return
+    assert _combination(b, "fp8_ds_mla", cc=CC(12, 0)) is None
+    assert _combination(b, "fp8_ds_mla", dtype=jnp.float16, cc=CC(12, 0)) == "dtype not supported"
+    assert _combination(b, "bfloat16", cc=CC(12, 0)) == "kv_cache_dtype not supported"
+    assert _combination(b, "fp8_ds_mla", cc=CC(12, 0), model_config={"index_topk": 1024}) == (
+        "FLASHINFER_MLA_SPARSE_SM120 requires index_topk=2048; got 1024")
 
 
 def test_sm90_supports_combination_messages():

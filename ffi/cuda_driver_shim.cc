@@ -1,0 +1,65 @@
+// The CUDA driver API functions FlashInfer's TRTLLM-gen runner calls (fmhaKernels.cuh,
+// kernelParams.h: cubin loading, TMA descriptors, cluster launches), resolved at first use through
+// the runtime's cudaGetDriverEntryPointByVersion instead of linking libcuda.so.
+//
+// Linking libcuda would make the extension fail to import on machines without an NVIDIA driver
+// (CI, CPU hosts), where the package must still import and run its pure-JAX kernels. The runtime
+// (cudart_static) already loads the driver lazily, so these forwarders do the same. They have
+// hidden visibility: they never interpose on the real driver for other libraries in the process.
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+namespace {
+
+template <typename Fn>
+Fn Resolve(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult status{};
+  // 12000: the ABI version FlashInfer's headers were written against (CUDA 12 signatures).
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status) !=
+          cudaSuccess ||
+      status != cudaDriverEntryPointSuccess) {
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(fn);
+}
+
+}  // namespace
+
+// `name` is expanded by cuda.h's versioning macros in the definition (cuModuleGetGlobal ->
+// cuModuleGetGlobal_v2, as at the call sites) but not in #name, the driver's entry-point name.
+#define JAX_SPARSE_MLA_FORWARD(name, params, args)                                   \
+  extern "C" __attribute__((visibility("hidden"))) CUresult CUDAAPI name params {   \
+    using Fn = CUresult(CUDAAPI*) params;                                            \
+    static const Fn fn = Resolve<Fn>(#name);                                         \
+    return fn ? fn args : CUDA_ERROR_NOT_FOUND;                                      \
+  }
+
+JAX_SPARSE_MLA_FORWARD(cuCtxGetDevice, (CUdevice * device), (device))
+JAX_SPARSE_MLA_FORWARD(cuDeviceGetAttribute, (int* value, CUdevice_attribute attrib, CUdevice dev),
+                       (value, attrib, dev))
+JAX_SPARSE_MLA_FORWARD(cuFuncSetAttribute, (CUfunction func, CUfunction_attribute attrib, int value),
+                       (func, attrib, value))
+JAX_SPARSE_MLA_FORWARD(cuGetErrorName, (CUresult error, const char** name), (error, name))
+JAX_SPARSE_MLA_FORWARD(cuGetErrorString, (CUresult error, const char** text), (error, text))
+JAX_SPARSE_MLA_FORWARD(cuLaunchKernelEx,
+                       (const CUlaunchConfig* config, CUfunction f, void** params, void** extra),
+                       (config, f, params, extra))
+JAX_SPARSE_MLA_FORWARD(cuModuleGetFunction, (CUfunction * func, CUmodule mod, const char* name),
+                       (func, mod, name))
+JAX_SPARSE_MLA_FORWARD(cuModuleGetGlobal,
+                       (CUdeviceptr * ptr, size_t* bytes, CUmodule mod, const char* name),
+                       (ptr, bytes, mod, name))
+JAX_SPARSE_MLA_FORWARD(cuModuleLoadData, (CUmodule * module, const void* image), (module, image))
+JAX_SPARSE_MLA_FORWARD(cuOccupancyMaxActiveClusters,
+                       (int* num_clusters, CUfunction func, const CUlaunchConfig* config),
+                       (num_clusters, func, config))
+JAX_SPARSE_MLA_FORWARD(cuTensorMapEncodeTiled,
+                       (CUtensorMap * tensor_map, CUtensorMapDataType data_type, cuuint32_t rank,
+                        void* global_address, const cuuint64_t* global_dim,
+                        const cuuint64_t* global_strides, const cuuint32_t* box_dim,
+                        const cuuint32_t* element_strides, CUtensorMapInterleave interleave,
+                        CUtensorMapSwizzle swizzle, CUtensorMapL2promotion l2_promotion,
+                        CUtensorMapFloatOOBfill oob_fill),
+                       (tensor_map, data_type, rank, global_address, global_dim, global_strides,
+                        box_dim, element_strides, interleave, swizzle, l2_promotion, oob_fill))
