@@ -28,6 +28,7 @@ import dataclasses
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 
 IMPLEMENTATIONS = ("auto", "xla", "native")
 
@@ -74,6 +75,14 @@ class SparseMLAKernel:
 
 
 _KERNELS: list[SparseMLAKernel] = []
+
+
+def mask_empty_rows(out: jax.Array, lse: jax.Array, empty_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """out [T, H, D] = 0 and lse [T, H] = -inf where empty_rows [T] bool: the contract's value for rows
+    with no valid index, for kernels that leave such rows undefined (as vLLM masks after TRTLLM-gen)."""
+    empty = empty_rows[:, None]
+    return (jnp.where(empty[..., None], jnp.zeros((), out.dtype), out),
+            jnp.where(empty, -jnp.inf, lse))
 
 
 def register_kernel(kernel: SparseMLAKernel) -> None:

@@ -91,10 +91,7 @@ def _sm120_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
         num_splits=np.int64(splits),
         chunks_per_block=np.int64(p["chunks_per_block"]),
     )
-    empty = (indices < 0).all(axis=1)[:, None]
-    out = jnp.where(empty[..., None], jnp.zeros((), out.dtype), out)
-    lse = jnp.where(empty, -jnp.inf, lse)
-    return out, lse
+    return kernels.mask_empty_rows(out, lse, (indices < 0).all(axis=1))
 
 
 kernels.register_kernel(kernels.SparseMLAKernel(

@@ -133,10 +133,8 @@ def _trtllm_gen_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base
     out = out[:, 0]
     if lse_base == "e":
         lse = lse * np.float32(math.log(2.0))
-    empty = (counts == 0)[:, None]
-    out = jnp.where(empty[..., None], jnp.zeros((), out.dtype), out).astype(out_dtype)
-    lse = jnp.where(empty, -jnp.inf, lse)
-    return out, lse
+    out, lse = kernels.mask_empty_rows(out, lse, counts == 0)
+    return out.astype(out_dtype), lse
 
 
 kernels.register_kernel(kernels.SparseMLAKernel(

@@ -175,3 +175,12 @@ def test_native_request_without_native_kernel_is_a_clear_error():
     with pytest.raises(ValueError, match="no native kernel fits"):
         jsm.sparse_mla_decode(jnp.zeros((1, 4, 576), jnp.bfloat16), jnp.zeros((1, 16, 576), jnp.bfloat16),
                               jnp.zeros((1, 128), jnp.int32), scale=SCALE, implementation="native")
+
+
+def test_mask_empty_rows_sets_the_contract_values_over_nan():
+    out = jnp.full((3, 2, 4), jnp.nan, jnp.bfloat16)
+    lse = jnp.full((3, 2), jnp.nan, jnp.float32)
+    masked_out, masked_lse = jsm.kernels.mask_empty_rows(out, lse, jnp.array([True, False, True]))
+    assert masked_out.dtype == jnp.bfloat16
+    assert np.all(np.asarray(masked_out)[[0, 2]] == 0) and np.isnan(np.asarray(masked_out)[1]).all()
+    assert np.all(np.isneginf(np.asarray(masked_lse)[[0, 2]])) and np.isnan(np.asarray(masked_lse)[1]).all()

@@ -21,6 +21,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import _native, kernels
+from reference import assert_native_matches
 
 SCALE = 192 ** -0.5 * 1.2
 K_SCALE = 0.75
@@ -70,16 +71,7 @@ def make_indices(rng, num_tokens, num_keys, num_slots):
 
 
 def assert_matches(native, reference, *, out_rtol):
-    (out, lse), (out_ref, lse_ref) = native, reference
-    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
-    out_ref, lse_ref = np.asarray(out_ref, np.float64), np.asarray(lse_ref, np.float64)
-    assert not np.isnan(out).any() and not np.isnan(lse).any(), "NaN in the native result"
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(lse_ref), err_msg="-inf lse rows")
-    empty = np.isneginf(lse_ref)
-    assert np.all(out[empty] == 0.0), "rows without a valid slot must give out = 0"
-    np.testing.assert_allclose(lse[~empty], lse_ref[~empty], atol=2e-2, rtol=0, err_msg="lse")
-    error = np.linalg.norm(out - out_ref) / max(np.linalg.norm(out_ref), 1e-30)
-    assert error < out_rtol, f"relative error of out {error:.2e} >= {out_rtol}"
+    assert_native_matches(native, reference, out_rtol=out_rtol, lse_atol=2e-2)
 
 
 def run_both(q, cache, indices, **kwargs):
