@@ -21,7 +21,7 @@ cost cancels. `us_call` is the wall time of one jitted call with block_until_rea
 included; what a T = 1 caller pays outside a larger jit).
 Bytes per call = req_id (T*4) + token_indices (T*K*4) + gathered table entries (T*K*4) + output
 (T*K*4) + counts (T*4, when returned). Roofline in the same run: an XLA elementwise copy of
-2 GiB int32 (--copy-gib; bytes read + written). Writes DIR/index_conversion_h200.json.
+2 GiB int32 (--copy-gib; bytes read + written), timed by the same slope. Writes DIR/index_conversion_h200.json.
 """
 
 from __future__ import annotations
@@ -59,21 +59,35 @@ def median_seconds(fn, repeats: int = REPEATS) -> float:
 
 
 def copy_gbps(gib: float) -> float:
-    """Device copy bandwidth (bytes read + written) of a `gib` GiB int32 array, in GB/s."""
+    """Device copy bandwidth (bytes read + written) of a `gib` GiB int32 array, in GB/s, timed
+    like the conversions (slope over chained calls, so dispatch cancels)."""
     x = jnp.zeros((int(gib * (1 << 28)),), jnp.int32)
-    copy = jax.jit(lambda x: x + 1)  # an XLA streaming kernel: one read, one write per element
-    return 2 * x.nbytes / median_seconds(lambda: copy(x)) / 1e9
+
+    def chained_copies(num_calls):
+        def run(x):
+            for _ in range(num_calls):  # an XLA streaming kernel: one read, one write per element
+                x = jax.lax.optimization_barrier(x + 1)
+            return x
+        return jax.jit(run)
+
+    n1, n2 = CALLS
+    t1 = median_seconds(functools.partial(chained_copies(n1), x))
+    t2 = median_seconds(functools.partial(chained_copies(n2), x))
+    return 2 * x.nbytes * (n2 - n1) / (t2 - t1) / 1e9
 
 
 def index_sets(num_sets: int, num_tokens: int, top_k: int, seed: int = 0):
-    """Device arrays: req_id [S, T], token_indices [S, T, K] (10% -1), block_table [R, W]."""
+    """Device arrays: S x req_id [T], S x token_indices [T, K] (10% -1), block_table [R, W].
+
+    The sets are separate arrays, not slices of one stacked array: a slice would be copied before
+    each Pallas call (a custom call needs its own buffer) and timed with it."""
     key_req, key_tok, key_hole, key_table = jax.random.split(jax.random.key(seed), 4)
     req_id = jax.random.randint(key_req, (num_sets, num_tokens), 0, NUM_REQS, jnp.int32)
     tok = jax.random.randint(key_tok, (num_sets, num_tokens, top_k), 0,
                              BLOCK_SIZE * TABLE_WIDTH, jnp.int32)
     tok = jnp.where(jax.random.uniform(key_hole, tok.shape) < 0.1, -1, tok)
     table = jax.random.randint(key_table, (NUM_REQS, TABLE_WIDTH), 0, 1 << 20, jnp.int32)
-    return req_id, tok, table
+    return [req_id[s] for s in range(num_sets)], [tok[s] for s in range(num_sets)], table
 
 
 def convert_fn(mode: str, implementation: str):
@@ -167,7 +181,7 @@ def main() -> None:
                       f"{row['us_call']:>8.1f} {row['gbps']:>7.0f} {row['pct_of_copy']:>5.1f}%")
         del sets
     if "pallas" in impls:
-        print("\nfaster per (mode, T); sets index_conversion._auto_implementation's rule:")
+        print("\nfaster per (mode, T) (\"auto\" runs pallas on CUDA; see index_conversion._select_core):")
         for mode in MODES:
             for num_tokens in args.tokens:
                 us = {r["impl"]: r["us"] for r in rows

@@ -13,9 +13,10 @@ Realistic layout: token t of index set s draws its K distinct slots from its own
 index sets holding 512 * 2048 rows (1.2 GB bf16) in all: every gathered byte comes from HBM.
 
 Timing: per-call device time in steady state.
-  JAX: a jitted function running n calls back to back (unrolled; 32 native, 4 pure JAX); the
-       per-call time is (median wall time - median wall time of a trivial jitted call) / n, so the
-       one-off dispatch cost of the jitted call drops out.
+  JAX: jitted functions running n calls back to back (unrolled; n = 8 and 40 native, 2 and 6
+       pure JAX, each call on its own query array); the per-call time is the slope
+       (t(n2) - t(n1)) / (n2 - n1) of the median wall times, so the fixed cost of a jitted call
+       (dispatch, arguments, outputs, synchronisation) cancels.
   torch: n run() calls captured in one CUDA graph, replayed and timed with CUDA events (the
        wrapper's Python overhead is not in the number; without a graph it would dominate small T).
 FLOP = 2*T*H*K*(576+512); bytes = T*K*576*itemsize(kv) + T*H*(576+512)*2 (q in, out out).
@@ -89,36 +90,32 @@ def index_sets(num_tokens, seed=1):
     return slots.reshape(num_sets, num_tokens, K)
 
 
-@jax.jit
-def _no_op(q, cache, sets):
-    return q[0, 0, 0] + sets[0, 0, 0].astype(q.dtype)
-
-
-def dispatch_seconds(q, cache, sets):
-    """Wall time of dispatching and awaiting a trivial jitted call on the same arguments."""
-    jax.block_until_ready(_no_op(q, cache, sets))
-    return median_seconds(lambda: jax.block_until_ready(_no_op(q, cache, sets)), 20)
-
-
 def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats):
-    """Per-call seconds of sparse_mla_decode: `calls` unrolled calls in one jitted function, less the
-    fixed cost of dispatching a jitted call, divided by `calls`."""
+    """Per-call seconds of sparse_mla_decode: the slope (t(n2) - t(n1)) / (n2 - n1) of the median
+    wall times of jitted functions making n1 and n2 = `calls` unrolled calls, so that the fixed
+    cost of a jitted call (dispatch, arguments, outputs, synchronisation) cancels."""
     k_scale = K_SCALE if kv_dtype == "fp8" else 1.0
     num_sets = sets.shape[0]
-
+    n1, n2 = calls
     # One query per call: identical calls (same query, same index set) would be merged by XLA's
-    # common-subexpression elimination and timed once.
-    queries = q[None] * jnp.arange(1, calls + 1, dtype=q.dtype)[:, None, None, None]
+    # common-subexpression elimination and timed once. Queries and index sets are separate arrays:
+    # a slice of one stacked array would be copied before each custom call and timed with it.
+    queries = [q * (i + 1) for i in range(n2)]
+    sets = [sets[s] for s in range(num_sets)]
 
-    def run(queries, cache, sets):
-        return [jsm.sparse_mla_decode(queries[i], cache.reshape(-1, 64, 576), sets[i % num_sets],
-                                      scale=SCALE, k_scale=k_scale,
-                                      implementation=implementation)[0] for i in range(calls)]
+    def seconds(num_calls):
+        def run(queries, cache, sets):
+            return [jsm.sparse_mla_decode(queries[i], cache.reshape(-1, 64, 576), sets[i % num_sets],
+                                          scale=SCALE, k_scale=k_scale,
+                                          implementation=implementation)[0]
+                    for i in range(num_calls)]
 
-    fn = jax.jit(run)
-    jax.block_until_ready(fn(queries, cache, sets))  # compile + warm up
-    total = median_seconds(lambda: jax.block_until_ready(fn(queries, cache, sets)), repeats)
-    return max(total - dispatch_seconds(q, cache, sets), 0.0) / calls
+        fn = jax.jit(run)
+        jax.block_until_ready(fn(queries[:num_calls], cache, sets))  # compile + warm up
+        return median_seconds(
+            lambda: jax.block_until_ready(fn(queries[:num_calls], cache, sets)), repeats)
+
+    return max(seconds(n2) - seconds(n1), 0.0) / (n2 - n1)
 
 
 def time_decode_loop(implementation, q, cache, sets, steps=200):
@@ -126,11 +123,13 @@ def time_decode_loop(implementation, q, cache, sets, steps=200):
     num_sets = sets.shape[0]
 
     def loop(q, cache, sets):
+        # The carry takes the whole output: a carry of one element would let XLA slice the pure-JAX
+        # kernel down to the heads and columns it needs.
         def body(i, acc):
             out, _ = jsm.sparse_mla_decode(q, cache.reshape(-1, 64, 576), sets[i % num_sets],
                                            scale=SCALE, implementation=implementation)
-            return acc + out[0, 0, 0].astype(jnp.float32)
-        return jax.lax.fori_loop(0, steps, body, jnp.float32(0))
+            return acc + out[0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, steps, body, jnp.zeros((q.shape[1], 512), jnp.float32))
 
     fn = jax.jit(loop)
     jax.block_until_ready(fn(q, cache, sets))
@@ -155,7 +154,8 @@ class TorchFa3:
             return self.torch.from_dlpack(u8).view(self.torch.float8_e4m3fn)
         return self.torch.from_dlpack(array)
 
-    def time(self, q, cache, sets, kv_dtype, calls=32, repeats=10):
+    def runner(self, q, cache, sets, kv_dtype, calls):
+        """A function making `calls` run() calls, planned for index sets `sets` [S, T, K]."""
         torch = self.torch
         num_sets, num_tokens, _ = sets.shape
         num_heads = q.shape[1]
@@ -184,6 +184,11 @@ class TorchFa3:
             for i in range(calls):
                 wrappers[i % len(wrappers)].run(q_nope, q_pe, ckv, kpe, out=out, **scales)
 
+        return run_all
+
+    def time(self, q, cache, sets, kv_dtype, calls=32, repeats=10):
+        torch = self.torch
+        run_all = self.runner(q, cache, sets, kv_dtype, calls)
         run_all()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -266,6 +271,8 @@ def main():
     parser.add_argument("--fp8-heads", type=int, nargs="*", default=FP8_HEADS)
     parser.add_argument("--no-torch", action="store_true", help="skip FlashInfer from torch")
     parser.add_argument("--no-loop", action="store_true", help="skip the T = 1 decode loop")
+    parser.add_argument("--loop-only", action="store_true",
+                        help="only the T = 1 decode loop (e.g. to compare XLA_FLAGS settings)")
     args = parser.parse_args()
     grids = {"bf16": (args.tokens, args.heads), "fp8": (args.fp8_tokens, args.fp8_heads)}
     device = jax.devices()[0]
@@ -299,9 +306,10 @@ def main():
         for backend in ("native", "xla"):
             us = time_decode_loop(backend, q, caches["bf16"], sets) * 1e6
             loops.append(dict(backend=backend, T=1, H=h, K=K, kv_dtype="bf16",
-                              us_per_iteration=round(us, 2)))
+                              us_per_iteration=round(us, 2),
+                              xla_flags=os.environ.get("XLA_FLAGS", "")))
             print(f"decode loop T=1 H={h} {backend}: {us:.1f} us/iteration", flush=True)
-    for kv_dtype in ("bf16", "fp8"):
+    for kv_dtype in () if args.loop_only else ("bf16", "fp8"):
         cache = caches[kv_dtype]
         tokens, heads_list = grids[kv_dtype]
         for t in tokens:
@@ -309,8 +317,8 @@ def main():
             for h in heads_list:
                 q = jax.random.normal(jax.random.key(t * h), (t, h, 576), jnp.bfloat16)
                 timings = {
-                    "native": time_jax("native", q, cache, sets, kv_dtype, 32, 5),
-                    "xla": time_jax("xla", q, cache, sets, kv_dtype, 4, 3),
+                    "native": time_jax("native", q, cache, sets, kv_dtype, (8, 40), 5),
+                    "xla": time_jax("xla", q, cache, sets, kv_dtype, (2, 6), 3),
                 }
                 if torch_fa3 is not None:
                     try:
@@ -327,7 +335,8 @@ def main():
                 save()
 
     save()
-    plot(rows, os.path.join(args.out, "h200.png"))
+    if rows:
+        plot(rows, os.path.join(args.out, "h200.png"))
 
     print(f"\n{'backend':>17} {'T':>4} {'H':>4} {'kv':>4} {'us':>9} {'TF/s':>7} {'%TF':>6} {'GB/s':>7} {'%BW':>6}")
     for r in rows:

@@ -4,7 +4,8 @@
 // heavy kernel instantiations compile in parallel.
 //
 // Per call, on the XLA stream and with no host synchronisation or allocation:
-//   1. LaunchSm90Prepare packs the valid slots of each token and clamps the planned work items;
+//   1. LaunchSm90Prepare packs the valid slots of each token (in range, before its valid count)
+//      and clamps the planned work items;
 //   2. one cooperative launch of FlashInfer's kernel computes attention and merges KV splits.
 // Everything else (the schedule) was computed once per shape on the host and reaches the handler
 // as a constant input buffer; scratch comes from XLA as extra results.
@@ -40,6 +41,7 @@ ffi::Error Sm90Decode(cudaStream_t stream,
                       ffi::Buffer<ffi::BF16> q,           // [T, H, 576]
                       ffi::AnyBuffer kv_rows,             // [N, 576] of kKvType
                       ffi::Buffer<ffi::S32> indices,      // [T, K]
+                      ffi::Buffer<ffi::S32> valid_counts, // [T]
                       ffi::Buffer<ffi::S32> schedule,     // sm90_schedule.h layout
                       ffi::ResultBuffer<ffi::BF16> out,   // [T, H, 512]
                       ffi::ResultBuffer<ffi::F32> lse,    // [T, H]
@@ -60,6 +62,9 @@ ffi::Error Sm90Decode(cudaStream_t stream,
   if (kv_rows.element_type() != kKvType) return ShapeError("kv dtype does not match the target");
   if (index_dims.size() != 2 || index_dims[0] != num_tokens) {
     return ShapeError("indices must be [T, K]");
+  }
+  if (valid_counts.dimensions().size() != 1 || valid_counts.dimensions()[0] != num_tokens) {
+    return ShapeError("valid_counts must be [T]");
   }
   if (packed_dims.size() != 2 || packed_dims[0] != num_tokens || packed_dims[1] % kKvTile != 0 ||
       packed_dims[1] < index_dims[1]) {
@@ -84,6 +89,7 @@ ffi::Error Sm90Decode(cudaStream_t stream,
   int32_t* kv_start = work_kv_ranges->typed_data();
   int32_t* kv_end = kv_start + num_works;
   const PrepareArgs prepare{indices.typed_data(),
+                            valid_counts.typed_data(),
                             num_tokens,
                             index_dims[1],
                             kv_dims[0],
@@ -170,6 +176,7 @@ constexpr auto Sm90DecodeBinding() {
       .template Arg<ffi::Buffer<ffi::BF16>>()   // q
       .template Arg<ffi::AnyBuffer>()           // kv_rows (XLA's fp8 types have no typed Buffer)
       .template Arg<ffi::Buffer<ffi::S32>>()    // indices
+      .template Arg<ffi::Buffer<ffi::S32>>()    // valid_counts
       .template Arg<ffi::Buffer<ffi::S32>>()    // schedule
       .template Ret<ffi::Buffer<ffi::BF16>>()   // out
       .template Ret<ffi::Buffer<ffi::F32>>()    // lse

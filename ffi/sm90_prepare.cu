@@ -1,39 +1,47 @@
 // Per-call index packing and work-item clamping for the SM90 MLA kernel (see sm90_prepare.h).
+#include <cub/block/block_scan.cuh>
+
 #include "sm90_prepare.h"
 
 namespace jax_sparse_mla {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+// Keys per thread per round: a 2048-wide row is one round, so every load of a row is issued
+// before the first one is waited on (the kernel is latency-bound, not bandwidth-bound).
+constexpr int kItems = 8;
+using BlockScan = cub::BlockScan<int, kThreads>;
 
 __global__ void __launch_bounds__(kThreads) PackAndClamp(const PrepareArgs args) {
-  __shared__ int warp_totals[kWarps];
+  __shared__ typename BlockScan::TempStorage scan_storage;
   const int64_t token = blockIdx.x;
-  const int lane = threadIdx.x % 32;
-  const int warp = threadIdx.x / 32;
   const int32_t* row = args.indices + token * args.num_keys;
   int32_t* packed = args.packed + token * args.padded_keys;
+  const int64_t row_keys =
+      min(max(static_cast<int64_t>(args.valid_counts[token]), int64_t{0}), args.num_keys);
 
-  // Stable compaction, kThreads keys at a time: a key's destination is the number of valid keys
-  // before it (earlier chunks + earlier warps of this chunk + earlier lanes of this warp).
-  int count = 0;  // valid keys in the chunks done so far; the same in every thread
-  for (int64_t start = 0; start < args.num_keys; start += kThreads) {
-    const int64_t position = start + threadIdx.x;
-    const int32_t slot = position < args.num_keys ? row[position] : -1;
-    const bool valid = slot >= 0 && slot < args.num_rows;
-    const unsigned ballot = __ballot_sync(0xffffffffu, valid);
-    if (lane == 0) warp_totals[warp] = __popc(ballot);
-    __syncthreads();
-    int before = count;
-    int chunk_total = 0;
-    for (int w = 0; w < kWarps; ++w) {
-      before += w < warp ? warp_totals[w] : 0;
-      chunk_total += warp_totals[w];
+  // Stable compaction: thread i owns keys [i * kItems, (i + 1) * kItems) of each round, so a
+  // key's destination is the valid keys of earlier rounds + an exclusive scan over the threads.
+  int count = 0;  // valid keys in the rounds done so far; the same in every thread
+  for (int64_t base = 0; base < row_keys; base += int64_t{kThreads} * kItems) {
+    const int64_t first = base + int64_t{threadIdx.x} * kItems;
+    int32_t slots[kItems];
+    int valid = 0;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      slots[i] = first + i < row_keys ? row[first + i] : -1;
     }
-    if (valid) packed[before + __popc(ballot & ((1u << lane) - 1u))] = slot;
-    count += chunk_total;
-    __syncthreads();  // warp_totals is rewritten by the next chunk; packed[0] is read below
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) valid += slots[i] >= 0 && slots[i] < args.num_rows;
+    int offset, round_total;
+    BlockScan(scan_storage).ExclusiveSum(valid, offset, round_total);
+    int32_t* destination = packed + count + offset;
+#pragma unroll
+    for (int i = 0; i < kItems; ++i) {
+      if (slots[i] >= 0 && slots[i] < args.num_rows) *destination++ = slots[i];
+    }
+    count += round_total;
+    __syncthreads();  // scan_storage is reused by the next round; packed[0] is read below
   }
 
   const int32_t filler = count > 0 ? packed[0] : 0;

@@ -10,6 +10,8 @@ namespace jax_sparse_mla {
 
 struct PrepareArgs {
   const int32_t* indices;  // [num_tokens, num_keys] slots; < 0 or >= num_rows means "skip"
+  const int32_t* valid_counts;  // [num_tokens]: only the first valid_counts[t] entries (clamped
+                                // to [0, num_keys]) of row t may be selected
   int64_t num_tokens;
   int64_t num_keys;
   int64_t num_rows;        // rows in the KV cache

@@ -1,4 +1,4 @@
-"""The public sparse-MLA decode op: argument checks, index sanitising, scale folding, kernel dispatch.
+"""The public sparse-MLA decode op: argument checks, scale folding, kernel dispatch.
 
 Each query token attends to its own list of K physical KV slots (DeepSeek-V3.2 DSA top-k). The math,
 per token t and head h, over the valid slots j of row t:
@@ -70,19 +70,6 @@ def _check_query(q, layout: str) -> None:
         v.check_dtype("q", q, (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn))
     else:
         v.check_dtype("q", q, (jnp.bfloat16, jnp.float16))
-
-
-def sanitize_indices(topk_indices: jax.Array, num_slots: int, valid_counts: jax.Array | None) -> jax.Array:
-    """Marks every entry that must not be attended with -1.
-
-    topk_indices: [T, K] int32 physical slots. Invalid: negative, >= num_slots, or (when valid_counts
-    [T] int32 is given) at a position >= valid_counts[t]. Counts outside [0, K] act as clamped.
-    """
-    valid = (topk_indices >= 0) & (topk_indices < num_slots)
-    if valid_counts is not None:
-        positions = jnp.arange(topk_indices.shape[1], dtype=jnp.int32)
-        valid &= positions[None, :] < valid_counts[:, None]
-    return jnp.where(valid, topk_indices, -1)
 
 
 def sparse_mla_decode(
@@ -176,10 +163,9 @@ def _decode(q, kv_cache, topk_indices, valid_counts, *, kernel, bmm1_scale, bmm2
         valid_counts = valid_counts.reshape(-1)
     if kv_cache.dtype == jnp.uint8 and kv_cache.shape[-1] == v.MLA_HEAD_DIM:
         kv_cache = jax.lax.bitcast_convert_type(kv_cache, jnp.float8_e4m3fn)
-    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
-    indices = sanitize_indices(topk_indices, num_slots, valid_counts)
     out, lse = kernel.fn(
-        q, kv_cache, indices, bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, lse_base=lse_base
+        q, kv_cache, topk_indices, valid_counts,
+        bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, lse_base=lse_base,
     )
     return out.reshape(*leading, num_heads, v.MLA_V_DIM), lse.reshape(*leading, num_heads)
 
@@ -205,7 +191,7 @@ def _gather_rows(kv_rows: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.A
     return jnp.where(valid[..., None], rows, jnp.zeros((), rows.dtype)), valid
 
 
-def _xla_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
+def _xla_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
     """Pure-JAX kernel: chunked gather + online softmax (the contract is in kernels.py)."""
     num_tokens, num_heads, _ = q.shape
     out_dtype = output_dtype(q.dtype)
@@ -213,6 +199,7 @@ def _xla_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
         return (jnp.zeros((0, num_heads, v.MLA_V_DIM), out_dtype),
                 jnp.zeros((0, num_heads), jnp.float32))
     kv_rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    indices = kernels.sanitize_indices(indices, kv_rows.shape[0], valid_counts)
     compute_dtype = jnp.float32 if kv_rows.dtype == jnp.uint8 else (
         jnp.float16 if q.dtype == jnp.float16 else jnp.bfloat16)
     q = q.astype(compute_dtype)  # fp8 -> bf16 is exact; q_scale lives in bmm1_scale

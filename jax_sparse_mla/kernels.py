@@ -1,15 +1,18 @@
 """The kernel registry: which implementation of the sparse-MLA decode kernel runs where.
 
-Every kernel has the same contract, so the public op does its argument checking, index sanitising and
-scale folding once and then hands over:
+Every kernel has the same contract, so the public op does its argument checking and scale folding
+once and then hands over:
 
-    out, lse = kernel.fn(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base)
+    out, lse = kernel.fn(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base)
 
     q:          [T, H, 576] bf16 / f16, or float8_e4m3fn (raw values; q_scale is folded into bmm1_scale)
     kv_cache:   [num_blocks, block_size, 576] bf16 / f16 / float8_e4m3fn, or uint8 [.., 656] (fp8_ds_mla)
-    indices:    [T, K] int32 physical slots (block * block_size + offset). Already sanitised: every entry
-                that must not be attended (negative, >= num_blocks * block_size, past valid_counts) is -1.
-                Holes may sit anywhere in a row.
+    indices:    [T, K] int32 physical slots (block * block_size + offset), as the caller gave them:
+                negative entries and entries >= num_blocks * block_size are invalid and must never be
+                read; holes may sit anywhere in a row. A kernel that wants every invalid entry as -1
+                calls `sanitize_indices` (the SM90 kernel does the same test in its packing kernel).
+    valid_counts: [T] int32 or None: row t uses only its first valid_counts[t] entries (clamped to
+                [0, K]).
     bmm1_scale: float, applied to the raw dot products q . kv[:576]
     bmm2_scale: float, applied to the output (the per-tensor k_scale of an fp8 cache, else 1.0)
     lse_base:   "e" or "2"
@@ -75,6 +78,19 @@ class SparseMLAKernel:
 
 
 _KERNELS: list[SparseMLAKernel] = []
+
+
+def sanitize_indices(indices: jax.Array, num_slots: int, valid_counts: jax.Array | None) -> jax.Array:
+    """Marks every entry that must not be attended with -1.
+
+    indices: [T, K] int32 physical slots. Invalid: negative, >= num_slots, or (when valid_counts
+    [T] int32 is given) at a position >= valid_counts[t]. Counts outside [0, K] act as clamped.
+    """
+    valid = (indices >= 0) & (indices < num_slots)
+    if valid_counts is not None:
+        positions = jnp.arange(indices.shape[1], dtype=jnp.int32)
+        valid &= positions[None, :] < valid_counts[:, None]
+    return jnp.where(valid, indices, -1)
 
 
 def mask_empty_rows(out: jax.Array, lse: jax.Array, empty_rows: jax.Array) -> tuple[jax.Array, jax.Array]:

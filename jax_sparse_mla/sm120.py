@@ -61,7 +61,7 @@ def _sm_count() -> int:
     return int(count)
 
 
-def _sm120_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
+def _sm120_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
     """SM120 kernel (contract in kernels.py): bf16 q [T, H, 576], uint8 fp8_ds_mla cache [.., .., 656]."""
     num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
@@ -70,6 +70,7 @@ def _sm120_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
     if bmm2_scale != 1.0:
         raise ValueError(f"the SM120 kernel takes no output scale (fp8_ds_mla); got {bmm2_scale}.")
     num_keys = indices.shape[1]
+    indices = kernels.sanitize_indices(indices, kv_cache.shape[0] * kv_cache.shape[1], valid_counts)
     p = plan(num_tokens, num_heads, num_keys, _sm_count())
     splits, scratch_heads = p["num_splits"], p["scratch_heads"]
     call = jax.ffi.ffi_call(

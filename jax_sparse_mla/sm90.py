@@ -6,8 +6,9 @@ slots, with page_size = 1. The handler in `ffi/sm90_decode.cuh` runs it on the X
 
   * once per static shape (T, H, K, device), FlashInfer's host planner (MLAPlan) splits the work
     assuming every token keeps all K slots; the plan becomes a constant of the executable;
-  * per call, a small kernel packs each token's valid slots to the front (holes may sit anywhere) and
-    clamps every planned work item to the token's valid count, then one cooperative launch runs the
+  * per call, a small kernel packs each token's valid slots to the front (holes may sit anywhere;
+    slots out of range or past the token's valid count are dropped: the op's index rule, applied
+    here instead of in a separate pass) and clamps every planned work item to the packed count, then one cooperative launch runs the
     attention and merges the KV splits. No host synchronisation, no allocation: scratch buffers are
     extra results of the custom call, which the handler declares command-buffer compatible.
 
@@ -71,7 +72,7 @@ def padded_num_keys(num_keys: int) -> int:
     return max(_KV_TILE, -(-num_keys // _KV_TILE) * _KV_TILE)
 
 
-def _sm90_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
+def _sm90_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
     """SM90 kernel (contract in kernels.py); q bf16 or fp8, cache bf16 or fp8 e4m3 [.., .., 576]."""
     num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
@@ -79,7 +80,10 @@ def _sm90_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
                 jnp.zeros((0, num_heads), jnp.float32))
     kv_rows = kv_cache.reshape(-1, v.MLA_HEAD_DIM)
     fp8_cache = v.is_fp8_e4m3(kv_rows.dtype)
-    padded_keys = padded_num_keys(indices.shape[1])
+    num_keys = indices.shape[1]
+    padded_keys = padded_num_keys(num_keys)
+    if valid_counts is None:  # a constant of the executable: no extra kernel
+        valid_counts = jnp.full((num_tokens,), num_keys, jnp.int32)
     plan = plan_schedule(num_tokens, num_heads, padded_keys, _device_ordinal())
     # FlashInfer's fp8 path dequantises the cache as kv_scale * kv (bf16) before the matmuls, so the
     # softmax scale it applies must leave out the k_scale that bmm1_scale already holds.
@@ -100,6 +104,7 @@ def _sm90_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
         q.astype(jnp.bfloat16),  # exact for an fp8 query; its q_scale is already in bmm1_scale
         kv_rows,
         indices,
+        valid_counts,
         jnp.asarray(plan.schedule),
         sm_scale=np.float32(bmm1_scale / kv_scale),
         kv_scale=np.float32(kv_scale),

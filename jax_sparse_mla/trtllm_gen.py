@@ -102,7 +102,7 @@ def counter_bytes(num_tokens: int, num_heads: int) -> int:
     return -(-slots // 8) * 8 * 4
 
 
-def _trtllm_gen_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base):
+def _trtllm_gen_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
     """TRTLLM-gen kernel (contract in kernels.py): q and cache both bf16, both f16 or both fp8 e4m3."""
     num_tokens, num_heads, _ = q.shape
     out_dtype = jnp.float16 if q.dtype == jnp.float16 else jnp.bfloat16
@@ -110,7 +110,8 @@ def _trtllm_gen_kernel(q, kv_cache, indices, *, bmm1_scale, bmm2_scale, lse_base
         return (jnp.zeros((0, num_heads, v.MLA_V_DIM), out_dtype),
                 jnp.zeros((0, num_heads), jnp.float32))
     num_keys = indices.shape[1]
-    slots, counts = compact_slots(indices)
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
+    slots, counts = compact_slots(kernels.sanitize_indices(indices, num_slots, valid_counts))
     call = jax.ffi.ffi_call(
         TARGET,
         (
