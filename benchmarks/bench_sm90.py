@@ -1,13 +1,17 @@
 """Sparse MLA decode on an SM90 GPU: the native handler vs pure JAX vs FlashInfer's fa3 kernel from torch.
 
 Run: python benchmarks/bench_sm90.py [--out benchmarks/results] [--tokens ..] [--heads ..]
-     [--fp8-tokens ..] [--fp8-heads ..]
+     [--fp8-tokens ..] [--fp8-heads ..] [--kv-dtypes bf16 fp8 fp8_ds_mla]
 
 In one process, by default for T in {1, 8, 32, 128, 512} x H in {16, 64, 128}, K = 2048, bf16 cache,
-and T in {8, 128, 512} x H in {16, 128} with an fp8 cache:
-  native            jax.jit(sparse_mla_decode(..., implementation="native"))  (this package, XLA FFI)
+and T in {8, 128, 512} x H in {16, 128} with fp8 caches (per-tensor e4m3 "fp8", and "fp8_ds_mla"):
+  native            jax.jit(sparse_mla_decode(..., implementation="native")), bf16 cache: FlashInfer's
+                    Hopper MLA kernel behind our XLA FFI handler
+  native_fp8        the same call with an fp8 cache: our fp8 kernel (ffi/sm90_fp8_kernel.cuh)
+  native_fa3_fp8    FlashInfer's Hopper MLA kernel on the per-tensor fp8 cache behind our handler
   xla               jax.jit(sparse_mla_decode(..., implementation="xla"))     (pure JAX)
   flashinfer_torch  FlashInfer's BatchMLAPagedAttentionWrapper(backend="fa3"), page_size = 1, from torch
+                    (bf16 and per-tensor fp8; FlashInfer has no SM90 kernel for fp8_ds_mla)
 Realistic layout: token t of index set s draws its K distinct slots from its own region of 8192 rows
 (region s * T + t of 512), so no row is shared between tokens and consecutive calls rotate through
 index sets holding 512 * 2048 rows (1.2 GB bf16) in all: every gathered byte comes from HBM.
@@ -19,7 +23,8 @@ Timing: per-call device time in steady state.
        (dispatch, arguments, outputs, synchronisation) cancels.
   torch: n run() calls captured in one CUDA graph, replayed and timed with CUDA events (the
        wrapper's Python overhead is not in the number; without a graph it would dominate small T).
-FLOP = 2*T*H*K*(576+512); bytes = T*K*576*itemsize(kv) + T*H*(576+512)*2 (q in, out out).
+FLOP = 2*T*H*K*(576+512); bytes = T*K*row_bytes + T*H*(576+512)*2 (q in, out out), row_bytes =
+1152 (bf16), 576 (fp8) or 656 (fp8_ds_mla).
 Roofline in the same run: bf16 8192^3 matmul (torch) and a 4 GiB device copy (bytes read + written).
 Also: T = 1 per-iteration time of a jitted decode loop (lax.fori_loop of 200 steps).
 Writes <out>/h200.json and <out>/h200.png.
@@ -59,8 +64,18 @@ def flop(t, h):
     return 2 * t * h * K * (576 + 512)
 
 
+ROW_BYTES = {"bf16": 1152, "fp8": 576, "fp8_ds_mla": 656}
+
+
 def nbytes(t, h, kv_dtype):
-    return t * K * 576 * (1 if kv_dtype == "fp8" else 2) + t * h * (576 + 512) * 2
+    return t * K * ROW_BYTES[kv_dtype] + t * h * (576 + 512) * 2
+
+
+def decode_kwargs(kv_dtype):
+    """sparse_mla_decode's cache arguments for each benchmarked cache."""
+    return {"bf16": dict(kv_cache_dtype="bfloat16"),
+            "fp8": dict(kv_cache_dtype="fp8_e4m3", k_scale=K_SCALE),
+            "fp8_ds_mla": dict(kv_cache_dtype="fp8_ds_mla")}[kv_dtype]
 
 
 def median_seconds(fn, repeats):
@@ -72,12 +87,18 @@ def median_seconds(fn, repeats):
     return statistics.median(times)
 
 
-def make_inputs(seed=0):
-    """(bf16 cache [rows, 576], fp8 cache [rows, 576]) over NUM_REGIONS regions, made on device."""
+def make_inputs(kv_dtypes, seed=0):
+    """{kv_dtype: cache [rows, row width]} over NUM_REGIONS regions, made on device."""
+    from jax_sparse_mla.kv_cache import pack_ds_mla_rows
+
     rows = NUM_REGIONS * REGION_ROWS
     bf16 = jax.random.normal(jax.random.key(seed), (rows, 576), jnp.bfloat16)
-    fp8 = (bf16.astype(jnp.float32) / K_SCALE).astype(jnp.float8_e4m3fn)
-    return bf16, fp8
+    caches = {"bf16": bf16}
+    if "fp8" in kv_dtypes:
+        caches["fp8"] = (bf16.astype(jnp.float32) / K_SCALE).astype(jnp.float8_e4m3fn)
+    if "fp8_ds_mla" in kv_dtypes:
+        caches["fp8_ds_mla"] = jax.jit(lambda x: pack_ds_mla_rows(x[:, :512], x[:, 512:]))(bf16)
+    return caches
 
 
 def index_sets(num_tokens, seed=1):
@@ -90,11 +111,12 @@ def index_sets(num_tokens, seed=1):
     return slots.reshape(num_sets, num_tokens, K)
 
 
-def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats):
+def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats, kernel=None):
     """Per-call seconds of sparse_mla_decode: the slope (t(n2) - t(n1)) / (n2 - n1) of the median
     wall times of jitted functions making n1 and n2 = `calls` unrolled calls, so that the fixed
-    cost of a jitted call (dispatch, arguments, outputs, synchronisation) cancels."""
-    k_scale = K_SCALE if kv_dtype == "fp8" else 1.0
+    cost of a jitted call (dispatch, arguments, outputs, synchronisation) cancels. `kernel`: a
+    registered kernel name to call instead of the one the op would pick."""
+    kwargs = decode_kwargs(kv_dtype)
     num_sets = sets.shape[0]
     n1, n2 = calls
     # One query per call: identical calls (same query, same index set) would be merged by XLA's
@@ -105,9 +127,8 @@ def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats):
 
     def seconds(num_calls):
         def run(queries, cache, sets):
-            return [jsm.sparse_mla_decode(queries[i], cache.reshape(-1, 64, 576), sets[i % num_sets],
-                                          scale=SCALE, k_scale=k_scale,
-                                          implementation=implementation)[0]
+            return [decode(queries[i], cache.reshape(-1, 64, cache.shape[-1]), sets[i % num_sets],
+                           implementation, kernel, kwargs)
                     for i in range(num_calls)]
 
         fn = jax.jit(run)
@@ -116,6 +137,19 @@ def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats):
             lambda: jax.block_until_ready(fn(queries[:num_calls], cache, sets)), repeats)
 
     return max(seconds(n2) - seconds(n1), 0.0) / (n2 - n1)
+
+
+def decode(q, cache, indices, implementation, kernel, kwargs):
+    """out of sparse_mla_decode, or of the registered kernel named `kernel` on the same arguments."""
+    if kernel is None:
+        return jsm.sparse_mla_decode(q, cache, indices, scale=SCALE, implementation=implementation,
+                                     **kwargs)[0]
+    from jax_sparse_mla import kernels
+
+    fn = next(k for k in kernels.registered_kernels() if k.name == kernel).fn
+    k_scale = kwargs.get("k_scale", 1.0)
+    return fn(q, cache, indices, None, bmm1_scale=SCALE * k_scale, bmm2_scale=k_scale,
+              lse_base="e")[0]
 
 
 def time_decode_loop(implementation, q, cache, sets, steps=200):
@@ -247,7 +281,8 @@ def plot(rows, path):
 
     panels = sorted({(r["kv_dtype"], r["H"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
-    colors = {"native": "C0", "flashinfer_torch": "C1", "xla": "C2"}
+    colors = {"native": "C0", "native_fp8": "C3", "native_fa3_fp8": "C4", "flashinfer_torch": "C1",
+              "xla": "C2"}
     for ax, (kv_dtype, heads) in zip(axes[0], panels):
         for backend, color in colors.items():
             pts = sorted((r["T"], r["us"]) for r in rows if r["backend"] == backend
@@ -269,12 +304,14 @@ def main():
     parser.add_argument("--heads", type=int, nargs="+", default=HEADS, help="H values (bf16)")
     parser.add_argument("--fp8-tokens", type=int, nargs="*", default=FP8_TOKENS)
     parser.add_argument("--fp8-heads", type=int, nargs="*", default=FP8_HEADS)
+    parser.add_argument("--kv-dtypes", nargs="+", default=list(ROW_BYTES), choices=list(ROW_BYTES))
     parser.add_argument("--no-torch", action="store_true", help="skip FlashInfer from torch")
     parser.add_argument("--no-loop", action="store_true", help="skip the T = 1 decode loop")
     parser.add_argument("--loop-only", action="store_true",
                         help="only the T = 1 decode loop (e.g. to compare XLA_FLAGS settings)")
     args = parser.parse_args()
-    grids = {"bf16": (args.tokens, args.heads), "fp8": (args.fp8_tokens, args.fp8_heads)}
+    grids = {"bf16": (args.tokens, args.heads), "fp8": (args.fp8_tokens, args.fp8_heads),
+             "fp8_ds_mla": (args.fp8_tokens, args.fp8_heads)}
     device = jax.devices()[0]
     try:
         peak_tflops, peak_gbps = rooflines()
@@ -285,7 +322,7 @@ def main():
     print(f"device {device.device_kind}; roofline: {peak_tflops:.1f} TFLOP/s bf16, {peak_gbps:.0f} GB/s copy",
           flush=True)
 
-    caches = dict(zip(("bf16", "fp8"), make_inputs()))
+    caches = make_inputs(args.kv_dtypes)
     rows, loops = [], []
     os.makedirs(args.out, exist_ok=True)
 
@@ -309,18 +346,20 @@ def main():
                               us_per_iteration=round(us, 2),
                               xla_flags=os.environ.get("XLA_FLAGS", "")))
             print(f"decode loop T=1 H={h} {backend}: {us:.1f} us/iteration", flush=True)
-    for kv_dtype in () if args.loop_only else ("bf16", "fp8"):
+    for kv_dtype in () if args.loop_only else args.kv_dtypes:
         cache = caches[kv_dtype]
         tokens, heads_list = grids[kv_dtype]
         for t in tokens:
             sets = index_sets(t)
             for h in heads_list:
                 q = jax.random.normal(jax.random.key(t * h), (t, h, 576), jnp.bfloat16)
-                timings = {
-                    "native": time_jax("native", q, cache, sets, kv_dtype, (8, 40), 5),
-                    "xla": time_jax("xla", q, cache, sets, kv_dtype, (2, 6), 3),
-                }
-                if torch_fa3 is not None:
+                native = "native" if kv_dtype == "bf16" else "native_fp8"
+                timings = {native: time_jax("native", q, cache, sets, kv_dtype, (8, 40), 5)}
+                if kv_dtype == "fp8":
+                    timings["native_fa3_fp8"] = time_jax("native", q, cache, sets, kv_dtype, (8, 40), 5,
+                                                         kernel="sm90_flashinfer_fa3")
+                timings["xla"] = time_jax("xla", q, cache, sets, kv_dtype, (2, 6), 3)
+                if torch_fa3 is not None and kv_dtype != "fp8_ds_mla":
                     try:
                         timings["flashinfer_torch"] = torch_fa3.time(q, cache, sets, kv_dtype)
                     except Exception as error:  # noqa: BLE001
@@ -338,12 +377,12 @@ def main():
     if rows:
         plot(rows, os.path.join(args.out, "h200.png"))
 
-    print(f"\n{'backend':>17} {'T':>4} {'H':>4} {'kv':>4} {'us':>9} {'TF/s':>7} {'%TF':>6} {'GB/s':>7} {'%BW':>6}")
+    print(f"\n{'backend':>17} {'T':>4} {'H':>4} {'kv':>10} {'us':>9} {'TF/s':>7} {'%TF':>6} {'GB/s':>7} {'%BW':>6}")
     for r in rows:
         if not r["tflops"]:  # a slope at or below zero: noise larger than the call
-            print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>4}  not resolved")
+            print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>10}  not resolved")
             continue
-        print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>4} {r['us']:>9.1f} "
+        print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>10} {r['us']:>9.1f} "
               f"{r['tflops']:>7.1f} {100 * r['tflops'] / peak_tflops:>5.1f}% {r['gbps']:>7.0f} "
               f"{100 * r['gbps'] / peak_gbps:>5.1f}%")
     for r in loops:

@@ -3,14 +3,15 @@
 Run under Nsight Compute, which times each kernel on its own (no launch gaps, no dispatch):
 
     ncu --clock-control none --metrics gpu__time_duration.sum \
-        --kernel-name regex:"BatchMLAPageAttentionHopper|PackAndClamp" \
-        python benchmarks/kernel_times_sm90.py [--shapes 8x16 128x16 128x128]
+        --kernel-name regex:"BatchMLAPageAttentionHopper|PackAndClamp|SparseMlaFp8|MergeSplits" \
+        python benchmarks/kernel_times_sm90.py [--shapes 8x16 128x16 128x128] [--kv-dtype fp8]
 
-For each T x H (K = 2048, bf16 cache, the realistic layout of bench_sm90.py), in this order: three
-calls of jax.jit(sparse_mla_decode(..., implementation="native")) (kernels: PackAndClamp, then
-FlashInfer's BatchMLAPageAttentionHopperKernel as compiled by this package's build) and three
-BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same kernel as compiled by FlashInfer's
-JIT). The script prints the order; ncu prints the times.
+For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: three calls of
+jax.jit(sparse_mla_decode(..., implementation="native")) (bf16 cache: PackAndClamp, then FlashInfer's
+BatchMLAPageAttentionHopperKernel as compiled by this package's build; fp8 / fp8_ds_mla caches: our
+SparseMlaFp8DecodeKernel, then MergeSplitsKernel when the plan splits) and, for bf16 and fp8 caches,
+three BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled
+by FlashInfer's JIT). The script prints the order; ncu prints the times.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from bench_sm90 import K, SCALE, TorchFa3, index_sets, make_inputs  # noqa: E402
+from bench_sm90 import (  # noqa: E402
+    K, ROW_BYTES, SCALE, TorchFa3, decode_kwargs, index_sets, make_inputs)
 
 CALLS = 3
 
@@ -33,23 +35,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["8x16", "128x16", "128x128"],
                         help="TxH pairs")
+    parser.add_argument("--kv-dtype", default="bf16", choices=list(ROW_BYTES))
+    parser.add_argument("--no-torch", action="store_true", help="skip FlashInfer from torch")
     args = parser.parse_args()
-    cache, _ = make_inputs()
-    torch_fa3 = TorchFa3()
+    cache = make_inputs([args.kv_dtype])[args.kv_dtype]
+    torch_fa3 = None if args.no_torch or args.kv_dtype == "fp8_ds_mla" else TorchFa3()
+    kwargs = decode_kwargs(args.kv_dtype)
     for shape in args.shapes:
         num_tokens, num_heads = (int(n) for n in shape.split("x"))
         sets = index_sets(num_tokens)
         q = jax.random.normal(jax.random.key(num_tokens * num_heads), (num_tokens, num_heads, 576),
                               jnp.bfloat16)
         decode = jax.jit(lambda q, cache, slots: jsm.sparse_mla_decode(
-            q, cache.reshape(-1, 64, 576), slots, scale=SCALE, implementation="native")[0])
+            q, cache.reshape(-1, 64, cache.shape[-1]), slots, scale=SCALE, implementation="native",
+            **kwargs)[0])
         for _ in range(CALLS):
             jax.block_until_ready(decode(q, cache, sets[0]))
-        run_torch = torch_fa3.runner(q, cache, sets[:1], "bf16", calls=CALLS)
-        run_torch()
-        torch_fa3.torch.cuda.synchronize()
-        print(f"T={num_tokens} H={num_heads} K={K}: {CALLS} native calls, then {CALLS} torch calls",
-              flush=True)
+        if torch_fa3 is not None:
+            run_torch = torch_fa3.runner(q, cache, sets[:1], args.kv_dtype, calls=CALLS)
+            run_torch()
+            torch_fa3.torch.cuda.synchronize()
+        print(f"T={num_tokens} H={num_heads} K={K} {args.kv_dtype}: {CALLS} native calls"
+              + (f", then {CALLS} torch calls" if torch_fa3 is not None else ""), flush=True)
 
 
 if __name__ == "__main__":

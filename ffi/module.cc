@@ -30,6 +30,7 @@ nb::dict Registrations() {
 #ifdef JAX_SPARSE_MLA_HAS_SM90
   targets["jax_sparse_mla_sm90_decode_bf16"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeBf16);
   targets["jax_sparse_mla_sm90_decode_fp8"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeFp8);
+  targets["jax_sparse_mla_sm90_fp8_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm90Fp8Decode);
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM100
   targets["jax_sparse_mla_trtllm_gen_decode"] = EncapsulateFfiHandler(JaxSparseMlaTrtllmGenDecode);
@@ -38,6 +39,21 @@ nb::dict Registrations() {
   targets["jax_sparse_mla_sm120_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm120Decode);
 #endif
   return targets;
+}
+
+// Targets whose handlers declare xla::ffi::Traits::kCmdBufferCompatible. JAX takes a handler's
+// traits at registration, not from its symbol, so _native.py passes them for these names.
+std::vector<std::string> CommandBufferTargets() {
+  std::vector<std::string> names;
+#ifdef JAX_SPARSE_MLA_HAS_SM90
+  names.push_back("jax_sparse_mla_sm90_decode_bf16");
+  names.push_back("jax_sparse_mla_sm90_decode_fp8");
+  names.push_back("jax_sparse_mla_sm90_fp8_decode");
+#endif
+#ifdef JAX_SPARSE_MLA_HAS_SM120
+  names.push_back("jax_sparse_mla_sm120_decode");
+#endif
+  return names;
 }
 
 // Which handler families this build holds and the machine code each was compiled for.
@@ -127,6 +143,9 @@ NB_MODULE(_jax_sparse_mla_native, m) {
         "num_works, cluster_size, num_clusters, num_sms, partial_o_offset, partial_lse_offset, "
         "float_workspace_bytes.");
 #endif
+  m.def("command_buffer_targets", &CommandBufferTargets,
+        "Names of the targets whose handlers are safe to record in CUDA graphs (XLA command "
+        "buffers); register them with the COMMAND_BUFFER_COMPATIBLE trait.");
   m.def("build_info", &BuildInfo,
         "Handler families in this build ('sm90', 'sm100', 'sm120': comma-separated machine-code "
         "targets) and, with sm100, the TRTLLM-gen kernel table compiled in "

@@ -58,5 +58,6 @@ __all__ = [
 
 # native kernels register themselves here
 from . import sm90  # registers the SM90 native kernel
+from . import sm90_fp8  # registers the SM90 fp8 kernel (takes precedence over sm90 for fp8 caches)
 from . import sm120  # registers the SM120/SM121 native kernel
 from . import trtllm_gen  # registers the SM100/SM103 native kernel

@@ -13,6 +13,7 @@ import os
 import pathlib
 
 import jax
+from jaxlib import xla_client
 
 try:
     from . import _jax_sparse_mla_native as module
@@ -21,8 +22,13 @@ except ImportError as error:  # built without CUDA, or not built at all
     import_error: ImportError | None = error
 else:
     import_error = None
+    _command_buffer_targets = frozenset(module.command_buffer_targets())
     for _name, _capsule in module.registrations().items():
-        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA")
+        # The trait lets XLA record the call in a command buffer (CUDA graph); without it XLA runs
+        # the custom call outside, whatever the handler symbol declares.
+        _traits = (xla_client.CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE
+                   if _name in _command_buffer_targets else xla_client.CustomCallTargetTraits.DEFAULT)
+        jax.ffi.register_ffi_target(_name, _capsule, platform="CUDA", traits=_traits)
 
 # Names of the XLA FFI targets the extension registered (empty without it).
 targets: frozenset[str] = frozenset(module.registrations()) if module is not None else frozenset()

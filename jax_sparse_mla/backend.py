@@ -181,14 +181,14 @@ class FlashInferMLASparseSM120Backend(_FlashInferMLASparseBackendBase):
 
 
 class FlashInferMLASparseSM90Backend(_FlashInferMLASparseBackendBase):
-    """SM90 (H100/H200): FlashInfer's Hopper MLA kernel used as a top-k kernel (page_size = 1).
+    """SM90 (H100/H200): FlashInfer's Hopper MLA kernel used as a top-k kernel (page_size = 1) for bf16
+    caches, and our own fp8 kernel (sm90_fp8.py) for per-tensor e4m3 and fp8_ds_mla caches.
 
-    Not in vLLM's target era; modelled on vLLM 0.34's FLASHINFER_MLA_SPARSE_SM90. bf16 query with a bf16
-    or per-tensor fp8 cache.
+    Not in vLLM's target era; modelled on vLLM 0.34's FLASHINFER_MLA_SPARSE_SM90. bf16 query.
     """
 
     supported_dtypes = (jnp.bfloat16,)
-    supported_kv_cache_dtypes = ("auto", "bfloat16", "fp8", "fp8_e4m3")
+    supported_kv_cache_dtypes = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
 
     @staticmethod
     def get_name() -> str:
@@ -204,16 +204,24 @@ class FlashInferMLASparseSM90Backend(_FlashInferMLASparseBackendBase):
 
     @classmethod
     def _unsupported_reason(cls, dtype, kv_cache_dtype: str | None, model_config: Any) -> str | None:
-        if kv_cache_dtype == "fp8_ds_mla":
-            return "FLASHINFER_MLA_SPARSE_SM90 does not support fp8_ds_mla kv-cache dtype"
         if jnp.dtype(dtype) != jnp.bfloat16:
             return "dtype not supported"
-        layout = "fp8_e4m3" if kv_cache_dtype in v.FP8_PER_TENSOR_DTYPES else "bfloat16"
+        if kv_cache_dtype == "fp8_ds_mla":
+            layout = "fp8_ds_mla"
+        else:
+            layout = "fp8_e4m3" if kv_cache_dtype in v.FP8_PER_TENSOR_DTYPES else "bfloat16"
         if not _native_kernel_available(9, layout):
             return "FLASHINFER_MLA_SPARSE_SM90 requires the jax_sparse_mla native extension"
         if model_config is not None and not _has_model_attr(model_config, "index_topk"):
             return "FlashInfer MLA Sparse requires model with index_topk config"
         return None
+
+    @staticmethod
+    def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:
+        if cache_dtype_str == "fp8_ds_mla":
+            return (num_blocks, block_size, v.DS_MLA_ROW_BYTES)
+        return (num_blocks, block_size, head_size)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,14 @@ def current_device_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
+def device_sm_count() -> int:
+    """Streaming multiprocessors of the default device (for the native kernels' static plans)."""
+    count = getattr(jax.devices()[0], "core_count", None)
+    if not count:
+        raise RuntimeError("a native kernel needs the GPU's SM count (jax Device.core_count)")
+    return int(count)
+
+
 def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto",
                   problem: Problem | None = None) -> SparseMLAKernel:
     """Picks the kernel for this device, cache layout and query dtype.

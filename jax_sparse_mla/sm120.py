@@ -54,13 +54,6 @@ def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> dict:
     return dict(_native.module.sm120_plan(num_tokens, num_heads, num_keys, sm_count))
 
 
-def _sm_count() -> int:
-    count = getattr(jax.devices()[0], "core_count", None)
-    if not count:
-        raise RuntimeError("the SM120 kernel needs the GPU's SM count (jax Device.core_count)")
-    return int(count)
-
-
 def _sm120_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
     """SM120 kernel (contract in kernels.py): bf16 q [T, H, 576], uint8 fp8_ds_mla cache [.., .., 656]."""
     num_tokens, num_heads, _ = q.shape
@@ -71,7 +64,7 @@ def _sm120_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale,
         raise ValueError(f"the SM120 kernel takes no output scale (fp8_ds_mla); got {bmm2_scale}.")
     num_keys = indices.shape[1]
     indices = kernels.sanitize_indices(indices, kv_cache.shape[0] * kv_cache.shape[1], valid_counts)
-    p = plan(num_tokens, num_heads, num_keys, _sm_count())
+    p = plan(num_tokens, num_heads, num_keys, kernels.device_sm_count())
     splits, scratch_heads = p["num_splits"], p["scratch_heads"]
     call = jax.ffi.ffi_call(
         TARGET,

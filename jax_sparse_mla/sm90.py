@@ -126,5 +126,5 @@ kernels.register_kernel(kernels.SparseMLAKernel(
     kv_layouts=("bfloat16", "fp8_e4m3"),
     q_dtypes=("bfloat16", "float8_e4m3fn"),
     fn=_sm90_kernel,
-    available=_native.available,
+    available=lambda: all(_native.has_target(t) for t in _TARGETS.values()),
 ))

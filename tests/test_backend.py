@@ -36,12 +36,15 @@ def build_batch(rng, seq_lens, query_lens, num_heads, block_size, kv_cache_dtype
     k_pe = [rng.random((s, ROPE)).astype(BF16) for s in seq_lens]
     slots = [block_table[r, np.arange(s) // block_size] * block_size + np.arange(s) % block_size
              for r, s in enumerate(seq_lens)]
-    if kv_cache_dtype == "fp8":
-        cache = jnp.asarray(np.full((num_blocks, block_size, 576), 0x7F, np.uint8)).view(jnp.float8_e4m3fn)
-    else:
-        cache = jnp.full((num_blocks, block_size, 576), jnp.nan, jnp.bfloat16)
     write = lambda c, a, b, s: jsm.concat_and_cache_mla(a, b, c, s, kv_cache_dtype=kv_cache_dtype,
                                                         k_scale=k_scale)
+    if kv_cache_dtype == "fp8":
+        cache = jnp.asarray(np.full((num_blocks, block_size, 576), 0x7F, np.uint8)).view(jnp.float8_e4m3fn)
+    elif kv_cache_dtype == "fp8_ds_mla":  # 0xFF bytes: NaN values, scales and RoPE
+        cache = jnp.full((num_blocks, block_size, 656), 0xFF, jnp.uint8)
+        write = lambda c, a, b, s: jsm.concat_and_cache_ds_mla(a, b, c, s)
+    else:
+        cache = jnp.full((num_blocks, block_size, 576), jnp.nan, jnp.bfloat16)
     for r, (s, q_len) in enumerate(zip(seq_lens, query_lens)):
         ctx = s - q_len  # the context is in the cache already; the new tokens are written this step
         cache = write(cache, kv_c[r][:ctx], k_pe[r][:ctx], slots[r][:ctx].astype(np.int32))
@@ -280,11 +283,22 @@ def test_sm120_supports_combination_messages(monkeypatch, native_available):
         "FLASHINFER_MLA_SPARSE_SM120 requires index_topk=2048; got 1024")
 
 
-def test_sm90_supports_combination_messages():
+@pytest.mark.parametrize("native_available", [False, True])
+def test_sm90_supports_combination_messages(monkeypatch, native_available):
+    from jax_sparse_mla import _native
+
+    targets = (_native.targets | {"jax_sparse_mla_sm90_decode_bf16", "jax_sparse_mla_sm90_decode_fp8",
+                                  "jax_sparse_mla_sm90_fp8_decode"}) if native_available else frozenset()
+    monkeypatch.setattr(_native, "targets", targets)
     b = jsm.FlashInferMLASparseSM90Backend
-    assert _combination(b, "fp8_ds_mla", cc=CC(9, 0)) == (
-        "FLASHINFER_MLA_SPARSE_SM90 does not support fp8_ds_mla kv-cache dtype")
+    assert b.supported_kv_cache_dtypes == ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
+    assert b.get_kv_cache_shape(10, 64, 1, 576, "fp8_ds_mla") == (10, 64, 656)
+    assert b.get_kv_cache_shape(10, 64, 1, 576, "fp8") == (10, 64, 576)
     assert _combination(b, dtype=jnp.float16, cc=CC(9, 0)) == "dtype not supported"
+    for kv_cache_dtype in ("auto", "fp8", "fp8_ds_mla"):
+        expected = None if native_available else (
+            "FLASHINFER_MLA_SPARSE_SM90 requires the jax_sparse_mla native extension")
+        assert _combination(b, kv_cache_dtype, cc=CC(9, 0)) == expected
 
 
 @pytest.mark.parametrize("kwargs,error,message", [

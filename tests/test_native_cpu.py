@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla import _native, kernels, sm120, trtllm_gen
+from jax_sparse_mla import _native, kernels, sm120, sm90_fp8, trtllm_gen
 from jax_sparse_mla.kernels import Problem
 
 ALL_TARGETS = {
     "jax_sparse_mla_sm90_decode_bf16",
     "jax_sparse_mla_sm90_decode_fp8",
+    "jax_sparse_mla_sm90_fp8_decode",
     "jax_sparse_mla_trtllm_gen_decode",
     "jax_sparse_mla_sm120_decode",
 }
@@ -109,6 +110,9 @@ def fake_gpu(monkeypatch):
     ((12, 0), "fp8_ds_mla", "bfloat16", "sm120_flashinfer_sparse_mla"),
     ((12, 1), "fp8_ds_mla", "bfloat16", "sm120_flashinfer_sparse_mla"),
     ((9, 0), "bfloat16", "bfloat16", "sm90_flashinfer_fa3"),
+    ((9, 0), "fp8_e4m3", "bfloat16", "sm90_fp8"),
+    ((9, 0), "fp8_e4m3", "float8_e4m3fn", "sm90_fp8"),
+    ((9, 0), "fp8_ds_mla", "bfloat16", "sm90_fp8"),
     ((8, 0), "bfloat16", "bfloat16", "xla"),
     ((10, 0), "fp8_ds_mla", "bfloat16", "xla"),  # no SM100 kernel for fp8_ds_mla
     ((12, 0), "bfloat16", "bfloat16", "xla"),  # no SM120 kernel for a bf16 cache
@@ -117,6 +121,21 @@ def test_dispatch_by_capability(fake_gpu, capability, layout, q_dtype, expected)
     fake_gpu(capability)
     p = problem(kv_layout=layout, q_dtype=q_dtype)
     assert kernels.select_kernel(layout, q_dtype, "auto", p).name == expected
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 128, 8192])
+@pytest.mark.parametrize("num_heads", [1, 16, 20, 32, 64, 128])
+@pytest.mark.parametrize("num_keys", [0, 1, 128, 2048, 2049, 4224])
+def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys):
+    p = sm90_fp8.plan(num_tokens, num_heads, num_keys, 132)
+    tile = 32 if p.heads_per_cta == 64 else 64
+    assert p.heads_per_cta == min(h for h in (16, 32, 64) if h >= min(num_heads, 64))
+    assert p.keys_per_split % tile == 0 and 0 < p.keys_per_split <= 2048
+    assert p.num_splits * p.keys_per_split >= num_keys  # every key lies in a split
+    assert (p.num_splits - 1) * p.keys_per_split < max(num_keys, 1)  # no split wholly past K
+    # Splits only to fill idle SMs, or because a split holds at most 2048 keys.
+    ctas = num_tokens * -(-num_heads // p.heads_per_cta)
+    assert p.num_splits <= max(1, -(-num_keys // 2048), 132 // ctas)
 
 
 def test_auto_falls_back_and_native_explains(fake_gpu):
@@ -186,6 +205,12 @@ def test_extension_registers_every_handler():
     assert "100a" in info["sm100"].split(",")
     assert "120a" in info["sm120"].split(",")
     assert info["trtllm_gen_cubin_path"].endswith("fmha/trtllm-gen/")
+
+
+def test_command_buffer_targets_are_the_graph_safe_handlers():
+    # TRTLLM-gen may load a cubin module on its first call, which a CUDA graph capture must not do.
+    module = _require_native()
+    assert set(module.command_buffer_targets()) == ALL_TARGETS - {"jax_sparse_mla_trtllm_gen_decode"}
 
 
 @pytest.mark.parametrize("size", [0, 1, 55, 56, 63, 64, 65, 119, 120, 128, 1000, 100_000])

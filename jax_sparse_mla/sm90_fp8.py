@@ -1,0 +1,113 @@
+"""The SM90 (H100 / H200) fp8 kernel: our own sparse MLA decode over fp8 caches.
+
+FlashInfer's Hopper MLA kernel runs an fp8 cache about 3x slower than a bf16 one. This kernel
+(`ffi/sm90_fp8_kernel.cuh`) reads either fp8 layout directly: per-tensor e4m3 rows of 576 bytes and
+fp8_ds_mla rows of 656 bytes (512 e4m3, 4 fp32 tile scales, 64 bf16 RoPE). It gathers each tile of
+top-k rows with cp.async, dequantises them to bf16 in shared memory (exact for e4m3; fp8_ds_mla's
+tile scales multiply in float32 and round once to bf16) and runs bf16 tensor-core MMAs with fp32
+accumulation. The per-tensor k_scale multiplies the scores and the output instead of every value.
+
+Work split: one CTA per (token, group of 16/32/64 heads, split of the top-k list). A static plan per
+shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel
+combines them. The bf16 path stays on FlashInfer's kernel (`sm90.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _native, kernels
+from . import _validation as v
+
+TARGET = "jax_sparse_mla_sm90_fp8_decode"
+_LAYOUTS = {"fp8_e4m3": 0, "fp8_ds_mla": 1}
+# Must match ffi/sm90_fp8_kernel.cuh: slots a split may cover, and the tile of each head group.
+MAX_KEYS_PER_SPLIT = 2048
+_TILE_KEYS = {16: 64, 32: 64, 64: 32}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """heads_per_cta: 16, 32 or 64; the top-k list splits into num_splits ranges of keys_per_split."""
+
+    heads_per_cta: int
+    num_splits: int
+    keys_per_split: int
+
+
+@functools.lru_cache(maxsize=512)
+def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> Plan:
+    """Static work split for T tokens x H heads over K slots on a GPU with `sm_count` SMs.
+
+    Splits only when T x head groups is below one CTA per SM, keeping at least two tiles per split
+    (each CTA also loads its queries), and always enough to keep a split within MAX_KEYS_PER_SPLIT.
+    """
+    heads_per_cta = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
+    tile = _TILE_KEYS[heads_per_cta]
+    tiles = max(1, -(-num_keys // tile))
+    ctas = num_tokens * -(-num_heads // heads_per_cta)
+    splits = max(1, min(tiles // 2, sm_count // max(ctas, 1)))
+    splits = max(splits, -(-tiles * tile // MAX_KEYS_PER_SPLIT))
+    tiles_per_split = -(-tiles // splits)
+    return Plan(heads_per_cta=heads_per_cta, num_splits=-(-tiles // tiles_per_split),
+                keys_per_split=tiles_per_split * tile)
+
+
+def _sm90_fp8_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
+    """Kernel contract in kernels.py; q bf16 or fp8 [T, H, 576], cache fp8 e4m3 [.., .., 576] or
+    uint8 fp8_ds_mla [.., .., 656]."""
+    num_tokens, num_heads, _ = q.shape
+    if num_tokens == 0:
+        return (jnp.zeros((0, num_heads, v.MLA_V_DIM), jnp.bfloat16),
+                jnp.zeros((0, num_heads), jnp.float32))
+    ds_mla = kv_cache.dtype == jnp.uint8
+    kv_rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    num_keys = indices.shape[1]
+    if valid_counts is None:  # a constant of the executable
+        valid_counts = jnp.full((num_tokens,), num_keys, jnp.int32)
+    p = plan(num_tokens, num_heads, num_keys, kernels.device_sm_count())
+    split_rows = (p.num_splits, num_tokens, num_heads) if p.num_splits > 1 else (1,)
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (
+            jax.ShapeDtypeStruct((num_tokens, num_heads, v.MLA_V_DIM), jnp.bfloat16),  # out
+            jax.ShapeDtypeStruct((num_tokens, num_heads), jnp.float32),  # lse
+            # split partials (scratch): normalised outputs and their base-2 lse
+            jax.ShapeDtypeStruct(split_rows + ((v.MLA_V_DIM,) if p.num_splits > 1 else ()),
+                                 jnp.float32),
+            jax.ShapeDtypeStruct(split_rows, jnp.float32),
+        ),
+        # The handler takes one [T, ...] problem; a batch of them runs one call per element.
+        vmap_method="sequential",
+    )
+    out, lse, _partial_out, _partial_lse = call(
+        q.astype(jnp.bfloat16),  # exact for an fp8 query; its q_scale is already in bmm1_scale
+        kv_rows,
+        indices,
+        valid_counts,
+        layout=np.int64(_LAYOUTS["fp8_ds_mla" if ds_mla else "fp8_e4m3"]),
+        heads_per_cta=np.int64(p.heads_per_cta),
+        num_splits=np.int64(p.num_splits),
+        keys_per_split=np.int64(p.keys_per_split),
+        score_scale_log2=np.float32(bmm1_scale * math.log2(math.e)),
+        out_scale=np.float32(bmm2_scale),
+        lse_base_e=np.bool_(lse_base == "e"),
+    )
+    return out, lse
+
+
+kernels.register_kernel(kernels.SparseMLAKernel(
+    name="sm90_fp8",
+    native=True,
+    capability_majors=(9,),
+    kv_layouts=("fp8_e4m3", "fp8_ds_mla"),
+    q_dtypes=("bfloat16", "float8_e4m3fn"),
+    fn=_sm90_fp8_kernel,
+    available=lambda: _native.has_target(TARGET),
+))

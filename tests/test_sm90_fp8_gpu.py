@@ -1,0 +1,202 @@
+"""GPU tests of the SM90 fp8 kernel (ours, ffi/sm90_fp8_kernel.cuh) for per-tensor e4m3 and fp8_ds_mla
+caches.
+
+Each case compares the native kernel with the pure-JAX kernel (implementation="xla"), which
+dequantises the cache exactly in float32 (e4m3 -> bf16 is exact too), on caches larger than the
+H200's L2 whose unselected rows hold NaN bytes; slots have -1 holes and out-of-range values at random
+places, and some rows select nothing. One case also checks against the float64 NumPy reference.
+Skipped without an SM90 GPU or without the compiled extension (JAX_SPARSE_MLA_REQUIRE_GPU=1 turns
+the skip into a failure).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+from jax_sparse_mla import kernels, sm90_fp8
+from jax_sparse_mla.kv_cache import dequantize_ds_mla_rows
+from reference import assert_native_matches, attention_from_slots, unpack_ds_mla
+from test_sm90_gpu import assert_matches, make_indices, skip_reason
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "-")]
+
+SCALE = 192 ** -0.5 * 1.2
+NUM_BLOCKS, BLOCK_SIZE = 2048, 64  # 131072 rows: 75 MB (e4m3) / 86 MB (fp8_ds_mla), above L2
+NUM_SLOTS = NUM_BLOCKS * BLOCK_SIZE
+K_SCALE = 0.75
+
+
+def pack_ds_mla(values: np.ndarray) -> np.ndarray:
+    """float32 [N, 576] -> fp8_ds_mla rows uint8 [N, 656] (vLLM's layout, vectorised)."""
+    tiles = values[:, :512].reshape(-1, 4, 128)
+    scales = np.maximum(np.abs(tiles).max(axis=-1) / np.float32(448.0),
+                        np.finfo(np.float32).tiny).astype(np.float32)
+    nope = np.clip(tiles / scales[..., None], -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    rope = values[:, 512:].astype(ml_dtypes.bfloat16)
+    return np.concatenate([nope.reshape(-1, 512).view(np.uint8), scales.view(np.uint8),
+                           rope.view(np.uint8)], axis=1)
+
+
+@functools.cache
+def caches():
+    """{"fp8": e4m3 cache, "ds_mla": uint8 cache}, NaN bytes in every row but the clean slots."""
+    rng = np.random.default_rng(0)
+    values = rng.standard_normal((NUM_SLOTS, 576), np.float32)
+    values[:, :512] *= rng.uniform(0.05, 4.0, (NUM_SLOTS, 4)).repeat(128, axis=1)  # tile scales differ
+    poisoned = rng.random(NUM_SLOTS) < 0.25
+    poisoned[0] = True
+    e4m3 = np.clip(values / K_SCALE, -448, 448).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+    ds_mla = pack_ds_mla(values)
+    e4m3[poisoned] = 0xFF  # e4m3 NaN
+    ds_mla[poisoned] = 0xFF  # NaN values, scales and RoPE
+    return {
+        "fp8": jnp.asarray(e4m3.view(ml_dtypes.float8_e4m3fn)).reshape(NUM_BLOCKS, BLOCK_SIZE, 576),
+        "ds_mla": jnp.asarray(ds_mla).reshape(NUM_BLOCKS, BLOCK_SIZE, 656),
+        "clean": np.flatnonzero(~poisoned),
+    }
+
+
+def indices_for(rng, num_tokens, num_keys):
+    return make_indices(rng, num_tokens, num_keys, caches()["clean"], NUM_SLOTS)
+
+
+def run(q, cache, indices, implementation, **kwargs):
+    return jsm.sparse_mla_decode(q, cache, indices, scale=SCALE, implementation=implementation,
+                                 **kwargs)
+
+
+def cache_and_kwargs(layout):
+    if layout == "fp8":
+        return caches()["fp8"], dict(k_scale=K_SCALE, kv_cache_dtype="fp8_e4m3")
+    return caches()["ds_mla"], dict(kv_cache_dtype="fp8_ds_mla")
+
+
+def check_case(num_tokens, num_heads, num_keys, layout, lse_base="e", *, seed=1, valid_counts=False):
+    cache, kwargs = cache_and_kwargs(layout)
+    rng = np.random.default_rng(seed + 7 * num_tokens + num_heads + num_keys)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_heads, 576), np.float32), jnp.bfloat16)
+    indices = jnp.asarray(indices_for(rng, num_tokens, num_keys))
+    kwargs["lse_base"] = lse_base
+    if valid_counts:
+        kwargs["valid_counts"] = jnp.asarray(rng.integers(0, num_keys + 1, num_tokens), jnp.int32)
+    native = run(q, cache, indices, "native", **kwargs)
+    assert native[0].shape == (num_tokens, num_heads, 512) and native[0].dtype == jnp.bfloat16
+    assert native[1].shape == (num_tokens, num_heads) and native[1].dtype == jnp.float32
+    assert_matches_dequantised(native, q, cache, indices, layout, kwargs)
+
+
+def assert_matches_dequantised(native, q, cache, indices, layout, kwargs):
+    """e4m3 -> bf16 is exact, so the pure-JAX op on the same cache is the tight reference. fp8_ds_mla
+    rows dequantise to value * tile scale, which the kernel rounds once to bf16 for its MMAs (the
+    documented accuracy mode): tight against the pure-JAX op on that bf16 cache, and against the
+    float32 dequantisation within vLLM's fp8 tolerances for out (0.065) and, for lse, 0.05 plus the
+    bf16 rounding of the keys (2^-8 of the scores, which the lse inherits)."""
+    reference = run(q, cache, indices, "xla", **kwargs)
+    if layout == "fp8":
+        assert_matches(native, reference, out_rtol=2e-2)
+        return
+    bf16_kwargs = {k: value for k, value in kwargs.items() if k != "kv_cache_dtype"}
+    assert_matches(native, run(q, bf16_cache(cache), indices, "xla", **bf16_kwargs), out_rtol=1e-2)
+    assert_native_matches(native, reference, out_rtol=0.065, lse_atol=0.05, lse_rtol=2 ** -8)
+
+
+def bf16_cache(ds_mla_cache):
+    """The fp8_ds_mla cache dequantised in float32 and rounded to bf16, [.., .., 576]."""
+    rows = dequantize_ds_mla_rows(ds_mla_cache.reshape(-1, 656)).astype(jnp.bfloat16)
+    return rows.reshape(*ds_mla_cache.shape[:-1], 576)
+
+
+def test_fp8_caches_select_this_kernel():
+    for layout in ("fp8_e4m3", "fp8_ds_mla"):
+        assert kernels.select_kernel(layout, "bfloat16", "native").name == "sm90_fp8"
+    cache, kwargs = cache_and_kwargs("ds_mla")
+    q = jnp.zeros((2, 16, 576), jnp.bfloat16)
+    lowered = jax.jit(lambda q, idx: run(q, cache, idx, "auto", **kwargs)).lower(
+        q, jnp.zeros((2, 128), jnp.int32))
+    assert sm90_fp8.TARGET in lowered.as_text()
+
+
+# T in {1, 7, 128, 1024} x H in {16, 32, 64, 128} x K in {128, 2048}: each value, each head group size
+# (16/32/64 per CTA), one and many splits, odd head counts (padded groups) and K beyond one split.
+GRID = [(1, 16, 128), (1, 128, 2048), (7, 32, 2048), (7, 64, 128), (128, 16, 2048),
+        (128, 128, 2048), (1024, 64, 2048), (1024, 16, 128), (5, 20, 2048), (3, 100, 4224),
+        (130, 48, 512)]
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
+@pytest.mark.parametrize("num_tokens,num_heads,num_keys", GRID)
+def test_matches_pure_jax(num_tokens, num_heads, num_keys, layout):
+    check_case(num_tokens, num_heads, num_keys, layout, "e" if num_tokens % 2 else "2")
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
+@pytest.mark.parametrize("num_tokens,num_heads,num_keys", [(1, 64, 2048), (7, 16, 2048),
+                                                           (128, 128, 2048)])
+def test_valid_counts(num_tokens, num_heads, num_keys, layout):
+    check_case(num_tokens, num_heads, num_keys, layout, valid_counts=True)
+
+
+def test_long_decode_batch():
+    check_case(8192, 16, 2048, "ds_mla")
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
+def test_short_counts_leave_splits_empty(layout):
+    """T = 1 splits K = 2048 over many CTAs; short valid counts leave most splits with no slot."""
+    cache, kwargs = cache_and_kwargs(layout)
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((7, 128, 576), np.float32), jnp.bfloat16)
+    indices = jnp.asarray(rng.choice(caches()["clean"], size=(7, 2048)).astype(np.int32))
+    counts = jnp.asarray([0, 1, 31, 32, 33, 1000, 2048], jnp.int32)
+    for t in range(7):
+        one = dict(kwargs, valid_counts=counts[t:t + 1])
+        native = run(q[t:t + 1], cache, indices[t:t + 1], "native", **one)
+        assert_matches_dequantised(native, q[t:t + 1], cache, indices[t:t + 1], layout, one)
+
+
+def test_against_float64_reference():
+    """Independent of the pure-JAX path: float64 NumPy over the dequantised fp8_ds_mla rows, within
+    vLLM's fp8 tolerances."""
+    cache = caches()["ds_mla"]
+    rng = np.random.default_rng(9)
+    q = rng.standard_normal((4, 32, 576), np.float32).astype(ml_dtypes.bfloat16)
+    indices = indices_for(rng, 4, 300)
+    out, lse = run(jnp.asarray(q), cache, jnp.asarray(indices), "native", kv_cache_dtype="fp8_ds_mla")
+    used = np.unique(indices[(indices >= 0) & (indices < NUM_SLOTS)])
+    rows = np.zeros((NUM_SLOTS, 576))
+    rows[used] = unpack_ds_mla(np.asarray(cache).reshape(NUM_SLOTS, 656)[used])
+    out_ref, lse_ref = attention_from_slots(q.astype(np.float64), rows, indices, SCALE)
+    np.testing.assert_allclose(np.asarray(out, np.float64), out_ref, rtol=0.065, atol=0.05)
+    np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=0.05, rtol=2 ** -8)
+
+
+def test_e4m3_subnormals_are_exact():
+    """Every e4m3 value, subnormals included, dequantises exactly: a cache holding only subnormals
+    (|x| < 2^-6) matches the reference as closely as one holding normal values."""
+    rng = np.random.default_rng(11)
+    codes = rng.integers(1, 8, (4096, 576)).astype(np.uint8) | (rng.integers(0, 2, (4096, 576)) << 7
+                                                               ).astype(np.uint8)
+    cache = jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn)).reshape(64, 64, 576)
+    q = jnp.asarray(rng.standard_normal((8, 16, 576), np.float32) * 64, jnp.bfloat16)
+    indices = jnp.asarray(rng.integers(0, 4096, (8, 256)).astype(np.int32))
+    kwargs = dict(kv_cache_dtype="fp8_e4m3", k_scale=1.0)
+    native = run(q, cache, indices, "native", **kwargs)
+    reference = run(q, cache, indices, "xla", **kwargs)
+    assert_matches(native, reference, out_rtol=1e-2)
+
+
+def test_fp8_query():
+    cache, kwargs = cache_and_kwargs("fp8")
+    rng = np.random.default_rng(3)
+    q = jnp.asarray((rng.standard_normal((16, 32, 576)) * 4).astype(ml_dtypes.float8_e4m3fn))
+    indices = jnp.asarray(indices_for(rng, 16, 512))
+    kwargs.update(q_scale=0.25, lse_base="2")
+    assert_matches(run(q, cache, indices, "native", **kwargs), run(q, cache, indices, "xla", **kwargs),
+                   out_rtol=2e-2)
