@@ -4,14 +4,19 @@
 // slot list. Per tile of kBlockN slots:
 //   1. cp.async gathers the tile's rows (576 or 656 bytes each) into a raw fp8 stage; invalid slots
 //      (-1 holes, out of range, past the valid count) are never read: their bytes are zero-filled;
-//   2. all threads dequantise the raw stage into a bf16 tile (exact for per-tensor e4m3, whose
-//      scale is applied to the scores and the output; fp8_ds_mla multiplies by its tile scale);
-//   3. S = Q K^T with bf16 mma.sync (fp32 accumulate): the warps of a row group share 16 heads and
-//      split the tile's keys; S goes through shared memory so that every warp sees whole rows;
-//   4. online softmax (base 2) and O += P V, each warp of a row group owning a slice of the 512
+//   2. S = Q K^T with bf16 mma.sync (fp32 accumulate), the warps of a row group sharing 16 heads and
+//      splitting the tile's keys; S goes through shared memory so that every warp sees whole rows;
+//   3. online softmax (base 2) and O += P V, each warp of a row group owning a slice of the 512
 //      output columns (the accumulator of 16 rows x 512 columns does not fit in one warp).
-// The raw stages form a kStages-deep pipeline: the gathers of the next kStages tiles overlap
-// steps 2-4.
+// The MMAs read the fp8 rows where cp.async put them: ldmatrix moves byte pairs as 16-bit
+// elements, and each register is widened to two bf16 pairs in place. For S, a thread then holds
+// dims 4q..4q+3 of a 16-dim block where the MMA expects 2q, 2q+1, 2q+8, 2q+9; Q is stored with the
+// same permutation, which leaves every dot product unchanged. For P V (ldmatrix.trans), a register
+// holds two keys of two adjacent columns; the even and odd columns feed two MMAs, and the output
+// columns are put back in order when written. Widening is exact (see E4m3PairToBf16); the
+// per-tensor scale multiplies the scores and the output, fp8_ds_mla's tile scales multiply each
+// 128-dim partial dot product and, for P V, the probabilities of each key.
+// The raw stages form a kStages-deep pipeline: the gathers of later tiles overlap steps 2-3.
 //
 // With one split the CTA writes out / lse directly; otherwise it writes a normalised fp32 partial
 // and its base-2 lse, and MergeSplits combines the splits. A row with no valid slot ends with
@@ -70,24 +75,25 @@ struct TileConfig {
   static constexpr int kRowGroups = kHeads / 16;
   static constexpr int kWarpsPerGroup = kWarps / kRowGroups;
   static constexpr int kBlockN = kHeads == 64 ? 32 : 64;
-  static constexpr int kStages = kHeads == 64 ? 3 : 2;
+  static constexpr int kStages = kHeads == 32 ? 3 : 4;
   static constexpr int kKeysPerWarp = kBlockN / kWarpsPerGroup;
   static constexpr int kColsPerWarp = kVDim / kWarpsPerGroup;
   static constexpr int kRowBytes = fp8::kRowBytes<kLayout>;
+  // Shared-memory row strides whose 8 ldmatrix row addresses fall on distinct bank groups:
+  // 592 = 576 + 16 bytes for e4m3 rows (656 already qualifies); Q rows of 576 bf16 + 8.
+  static constexpr int kRawStride = kLayout == KvLayout::kE4m3 ? 592 : 656;
   static constexpr int kChunksPerRow = kRowBytes / 16;
-  // bf16 rows padded by 16 bytes: ldmatrix's 8 row addresses then fall on distinct bank groups.
-  static constexpr int kStride = kQkDim + 8;
+  static constexpr int kQStride = kQkDim + 8;
   static constexpr int kScoreStride = kBlockN + 8;  // fp32 scores, padded against bank conflicts
 
-  static constexpr int kQBytes = kHeads * kStride * 2;
-  static constexpr int kKBytes = kBlockN * kStride * 2;
-  static constexpr int kRawBytes = kStages * kBlockN * kRowBytes;
+  static constexpr int kQBytes = kHeads * kQStride * 2;
+  static constexpr int kRawBytes = kStages * kBlockN * kRawStride;
   static constexpr int kScoreBytes = kHeads * kScoreStride * 4;
   static constexpr int kSlotBytes = kMaxKeysPerSplit * 4;
-  static constexpr int kSmemBytes = kQBytes + kKBytes + kRawBytes + kScoreBytes + kSlotBytes;
+  static constexpr int kSmemBytes = kQBytes + kRawBytes + kScoreBytes + kSlotBytes;
 
   static_assert(kHeads == 16 || kHeads == 32 || kHeads == 64);
-  static_assert(kKeysPerWarp % 8 == 0 && kColsPerWarp % 16 == 0);
+  static_assert(kKeysPerWarp % 8 == 0 && kColsPerWarp % 32 == 0);
   static_assert(kMaxKeysPerSplit % kBlockN == 0);
   static_assert(kSmemBytes <= 227 * 1024);
 };
@@ -145,74 +151,43 @@ __device__ __forceinline__ uint32_t PackBf16(float low, float high) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// e4m3 -> bf16 with integer operations (the conversion instructions run at a quarter of the ALU
-// rate and made the kernel dequant-bound). An e4m3 byte s.eeee.mmm placed as s.0000eeee.mmm0000
-// is the bf16 of its value times 2^-120 (bf16's exponent bias is 120 above e4m3's), subnormals
-// included; multiplying by 2^120 in bf16 is exact. The e4m3 NaN code becomes a finite value, like
-// every byte pattern of a row the caller selected (the op never selects unwritten rows).
+// Two e4m3 bytes of `fp8x4` (picked by `selector`, see the Selector* constants) as a bf16 pair,
+// with integer operations (the conversion instructions run at a quarter of the ALU rate). An e4m3
+// byte s.eeee.mmm placed as s.0000eeee.mmm0000 is the bf16 of its value times 2^-120 (bf16's
+// exponent bias is 120 above e4m3's), subnormals included; multiplying by 2^120 in bf16 is exact.
+// The e4m3 NaN code becomes a finite value, like every byte pattern of a row the caller selected.
 __device__ __forceinline__ uint32_t E4m3PairToBf16(uint32_t fp8x4, uint32_t selector) {
   const uint32_t placed = __byte_perm(fp8x4, 0, selector);  // bytes into the high byte of each half
-  const uint32_t magnitude = (placed & 0x7f007f00u) >> 4;
-  const uint32_t scaled_bits = (placed & 0x80008000u) | magnitude;
+  const uint32_t scaled_bits = (placed & 0x80008000u) | ((placed & 0x7f007f00u) >> 4);
   const __nv_bfloat162 scaled = *reinterpret_cast<const __nv_bfloat162*>(&scaled_bits);
   const __nv_bfloat162 value = __hmul2(scaled, __floats2bfloat162_rn(0x1p120f, 0x1p120f));
   return *reinterpret_cast<const uint32_t*>(&value);
 }
 
-// e4m3 byte `index` of `fp8x4` as a float32 times 2^-120 (same placement, f32's bias is 120 above).
-__device__ __forceinline__ float E4m3ToScaledFloat(uint32_t fp8x4, int index) {
-  const uint32_t placed = fp8x4 << (24 - 8 * index);
-  return __uint_as_float((placed & 0x80000000u) | ((placed & 0x7f000000u) >> 4));
-}
-
-// 16 e4m3 bytes -> 16 bf16 values (two 16-byte stores). kScaled false: exact per-tensor
-// conversion; otherwise each value times `scale` in float32, rounded once to bf16 (fp8_ds_mla tile scales).
-template <bool kScaled>
-__device__ __forceinline__ void DequantChunk(const uint8_t* src, __nv_bfloat16* dst, float scale) {
-  const uint4 bytes = *reinterpret_cast<const uint4*>(src);
-  const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
-  uint32_t pairs[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    if constexpr (kScaled) {  // two exact steps: folding 2^120 into the scale could overflow
-      float values[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) values[j] = E4m3ToScaledFloat(words[i], j) * 0x1p120f * scale;
-      pairs[2 * i] = PackBf16(values[0], values[1]);
-      pairs[2 * i + 1] = PackBf16(values[2], values[3]);
-    } else {
-      pairs[2 * i] = E4m3PairToBf16(words[i], 0x1404);
-      pairs[2 * i + 1] = E4m3PairToBf16(words[i], 0x3424);
-    }
-  }
-  reinterpret_cast<uint4*>(dst)[0] = make_uint4(pairs[0], pairs[1], pairs[2], pairs[3]);
-  reinterpret_cast<uint4*>(dst)[1] = make_uint4(pairs[4], pairs[5], pairs[6], pairs[7]);
-}
+// __byte_perm selectors placing bytes (i, j) of a register in the high bytes of a bf16 pair.
+inline constexpr uint32_t kBytes01 = 0x1404, kBytes23 = 0x3424, kBytes02 = 0x2404, kBytes13 = 0x3414;
 
 // ---- the decode kernel ----------------------------------------------------------------------------
 
 template <typename Config>
 struct SharedTile {
-  __nv_bfloat16* q;   // [kHeads, kStride]
-  __nv_bfloat16* k;   // [kBlockN, kStride]
-  uint8_t* raw;       // [kStages, kBlockN, kRowBytes]
+  __nv_bfloat16* q;   // [kHeads, kQStride], fp8 dims permuted (StoreQueryRows)
+  uint8_t* raw;       // [kStages, kBlockN, kRawStride]
   float* scores;      // [kHeads, kScoreStride]
   int32_t* slots;     // [kMaxKeysPerSplit]: the split's slots, -1 where invalid
 
   __device__ explicit SharedTile(uint8_t* base)
       : q(reinterpret_cast<__nv_bfloat16*>(base)),
-        k(reinterpret_cast<__nv_bfloat16*>(base + Config::kQBytes)),
-        raw(base + Config::kQBytes + Config::kKBytes),
-        scores(reinterpret_cast<float*>(base + Config::kQBytes + Config::kKBytes +
-                                        Config::kRawBytes)),
-        slots(reinterpret_cast<int32_t*>(base + Config::kQBytes + Config::kKBytes +
-                                         Config::kRawBytes + Config::kScoreBytes)) {}
+        raw(base + Config::kQBytes),
+        scores(reinterpret_cast<float*>(base + Config::kQBytes + Config::kRawBytes)),
+        slots(reinterpret_cast<int32_t*>(base + Config::kQBytes + Config::kRawBytes +
+                                         Config::kScoreBytes)) {}
 };
 
 template <typename Config>
 __device__ __forceinline__ void GatherTile(const SharedTile<Config>& smem, const uint8_t* kv,
                                            int tile, int stage) {
-  uint8_t* raw = smem.raw + stage * Config::kBlockN * Config::kRowBytes;
+  uint8_t* raw = smem.raw + stage * Config::kBlockN * Config::kRawStride;
   constexpr int kChunks = Config::kBlockN * Config::kChunksPerRow;
 #pragma unroll
   for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
@@ -222,45 +197,43 @@ __device__ __forceinline__ void GatherTile(const SharedTile<Config>& smem, const
     const int column = chunk % Config::kChunksPerRow;
     const int32_t slot = smem.slots[tile * Config::kBlockN + row];
     const uint8_t* src = kv + (slot >= 0 ? int64_t{slot} * Config::kRowBytes + column * 16 : 0);
-    CopyAsync16(raw + row * Config::kRowBytes + column * 16, src, slot >= 0 ? 16 : 0);
+    CopyAsync16(raw + row * Config::kRawStride + column * 16, src, slot >= 0 ? 16 : 0);
   }
 }
 
+// Q rows of the CTA's heads (zero past num_heads). Within each 16-dim block of the fp8 dims, the
+// bf16 pairs go in the order 0, 2, 4, 6, 1, 3, 5, 7: the MMA's k slots 2q, 2q+1, 2q+8, 2q+9 then
+// hold dims 4q..4q+3, as the fp8 K fragments do (fp8_ds_mla's bf16 RoPE dims keep their order).
 template <typename Config>
-__device__ __forceinline__ void DequantTile(const SharedTile<Config>& smem, int stage) {
-  const uint8_t* raw = smem.raw + stage * Config::kBlockN * Config::kRowBytes;
-  if constexpr (Config::kLayout == KvLayout::kE4m3) {
-    constexpr int kChunks = kQkDim / 16, kUnits = Config::kBlockN * kChunks;
-#pragma unroll
-    for (int i = 0; i < (kUnits + kThreads - 1) / kThreads; ++i) {
-      const int unit = threadIdx.x + i * kThreads;
-      if (kUnits % kThreads != 0 && unit >= kUnits) break;
-      const int row = unit / kChunks, chunk = unit % kChunks;
-      DequantChunk<false>(raw + row * Config::kRowBytes + chunk * 16,
-                          smem.k + row * Config::kStride + chunk * 16, 0.0f);
+__device__ __forceinline__ void StoreQueryRows(const SharedTile<Config>& smem,
+                                               const DecodeParams& p, int token, int head_begin) {
+  constexpr int kBlocks = kQkDim / 16;
+  constexpr int kFp8Blocks = (Config::kLayout == KvLayout::kE4m3 ? kQkDim : kVDim) / 16;
+  for (int unit = threadIdx.x; unit < Config::kHeads * kBlocks; unit += kThreads) {
+    const int row = unit / kBlocks, block = unit % kBlocks;
+    const int head = head_begin + row;
+    uint4 low = make_uint4(0, 0, 0, 0), high = low;
+    if (head < p.num_heads) {
+      const uint4* src = reinterpret_cast<const uint4*>(
+          p.q + (int64_t{token} * p.num_heads + head) * kQkDim + block * 16);
+      low = src[0];
+      high = src[1];
     }
-  } else {
-    // 32 latent chunks of 16 e4m3 values (scale per 128), then 8 chunks of 8 bf16 RoPE values.
-    constexpr int kLatentChunks = kVDim / 16, kRopeChunks = 8;
-    constexpr int kUnitsPerRow = kLatentChunks + kRopeChunks;
-    constexpr int kUnits = Config::kBlockN * kUnitsPerRow;
-#pragma unroll
-    for (int i = 0; i < (kUnits + kThreads - 1) / kThreads; ++i) {
-      const int unit = threadIdx.x + i * kThreads;
-      if (kUnits % kThreads != 0 && unit >= kUnits) break;
-      const int row = unit / kUnitsPerRow, chunk = unit % kUnitsPerRow;
-      const uint8_t* raw_row = raw + row * Config::kRowBytes;
-      __nv_bfloat16* k_row = smem.k + row * Config::kStride;
-      if (chunk < kLatentChunks) {
-        const float scale = reinterpret_cast<const float*>(raw_row + kVDim)[chunk / 8];
-        DequantChunk<true>(raw_row + chunk * 16, k_row + chunk * 16, scale);
-      } else {
-        const int rope = chunk - kLatentChunks;
-        *reinterpret_cast<uint4*>(k_row + kVDim + rope * 8) =
-            *reinterpret_cast<const uint4*>(raw_row + kVDim + 16 + rope * 16);
-      }
+    uint4* dst = reinterpret_cast<uint4*>(smem.q + row * Config::kQStride + block * 16);
+    if (block < kFp8Blocks) {
+      dst[0] = make_uint4(low.x, low.z, high.x, high.z);
+      dst[1] = make_uint4(low.y, low.w, high.y, high.w);
+    } else {
+      dst[0] = low;
+      dst[1] = high;
     }
   }
+}
+
+// fp8_ds_mla tile scale of `key` for latent dims [128 t, 128 t + 128).
+template <typename Config>
+__device__ __forceinline__ float TileScale(const uint8_t* raw, int key, int t) {
+  return reinterpret_cast<const float*>(raw + key * Config::kRawStride + kVDim)[t];
 }
 
 template <typename Config>
@@ -269,6 +242,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
   const SharedTile<Config> smem(shared_bytes);
   constexpr int kBlockN = Config::kBlockN;
   constexpr int kStages = Config::kStages;
+  constexpr bool kDsMla = Config::kLayout == KvLayout::kDsMla;
 
   const int split = blockIdx.x;
   const int head_begin = blockIdx.y * Config::kHeads;
@@ -289,27 +263,17 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     const int32_t slot = position < key_end ? token_indices[position] : -1;
     smem.slots[i] = (slot >= 0 && slot < p.num_slots) ? slot : -1;
   }
-  // Q rows of this CTA's heads (rows past num_heads are zero).
-  for (int chunk = threadIdx.x; chunk < Config::kHeads * (kQkDim / 8); chunk += kThreads) {
-    const int row = chunk / (kQkDim / 8), column = chunk % (kQkDim / 8);
-    const int head = head_begin + row;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (head < p.num_heads) {
-      value = *reinterpret_cast<const uint4*>(
-          p.q + (int64_t{token} * p.num_heads + head) * kQkDim + column * 8);
-    }
-    *reinterpret_cast<uint4*>(smem.q + row * Config::kStride + column * 8) = value;
-  }
+  StoreQueryRows(smem, p, token, head_begin);
   __syncthreads();
 
 #pragma unroll
-  for (int stage = 0; stage < kStages; ++stage) {
+  for (int stage = 0; stage < kStages - 1; ++stage) {
     if (stage < num_tiles) GatherTile(smem, p.kv, stage, stage);
     CommitAsync();
   }
 
-  // Per thread: rows lane/4 and lane/4 + 8 of the warp's 16; columns 2 * (lane % 4) + {0, 1} of
-  // every 8-wide MMA tile (the m16n8 accumulator layout).
+  // Per thread: rows lane/4 and lane/4 + 8 of the warp's 16. O: per 32 columns, four m16n8 tiles
+  // (even and odd columns of two 16-column blocks), columns 4 * (lane % 4) + {0..3} of each block.
   constexpr int kOutTiles = Config::kColsPerWarp / 8;
   float acc[kOutTiles][4];
 #pragma unroll
@@ -318,79 +282,95 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
   float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; reduced over the quad at the end
 
   const int quad = lane / 4, quad_lane = lane % 4;
-  const __nv_bfloat16* q_rows = smem.q + (row_group * 16) * Config::kStride;
+  const __nv_bfloat16* q_lane =
+      smem.q + (row_group * 16 + lane % 16) * Config::kQStride + (lane / 16) * 8;
   float* score_rows = smem.scores + (row_group * 16) * Config::kScoreStride;
+  const int key0 = group_warp * Config::kKeysPerWarp;
+  const int column0 = group_warp * Config::kColsPerWarp;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    WaitAsync<kStages - 1>();
-    __syncthreads();  // the tile landed; the previous tile's bf16 rows are no longer read
-    DequantTile(smem, tile % kStages);
-    __syncthreads();
-    // Its raw stage is free again: the gather of tile + kStages overlaps this tile's MMAs, so
-    // kStages tiles stay in flight.
-    if (tile + kStages < num_tiles) GatherTile(smem, p.kv, tile + kStages, tile % kStages);
+    WaitAsync<kStages - 2>();
+    __syncthreads();  // the tile landed; the previous tile's stage and scores are no longer read
+    if (tile + kStages - 1 < num_tiles) {
+      GatherTile(smem, p.kv, tile + kStages - 1, (tile + kStages - 1) % kStages);
+    }
     CommitAsync();
+    const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * Config::kRawStride;
 
-    // S[16, kKeysPerWarp] for this warp's keys, over 576 dims. Dependent MMAs on one accumulator
-    // issue one per MMA latency, so the dims split over kChains independent partial sums.
+    // S[16, kKeysPerWarp] over 576 dims: one partial sum per 128-dim latent tile (fp8_ds_mla
+    // scales them; they also give the MMAs independent accumulators) and one for the RoPE dims.
     {
       constexpr int kKeyTiles = Config::kKeysPerWarp / 8;
-      constexpr int kChains = kKeyTiles == 1 ? 4 : 2;
-      constexpr int kStepsPerChain = kQkDim / 16 / kChains;
-      static_assert((kQkDim / 16) % kChains == 0);
-      float partial[kChains][kKeyTiles][4];
+      float partial[5][kKeyTiles][4];
 #pragma unroll
-      for (int c = 0; c < kChains; ++c)
+      for (int t = 0; t < 5; ++t)
 #pragma unroll
         for (int n = 0; n < kKeyTiles; ++n)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) partial[c][n][j] = 0.0f;
-      const int key0 = group_warp * Config::kKeysPerWarp;
-      const __nv_bfloat16* q_lane = q_rows + (lane % 16) * Config::kStride + (lane / 16) * 8;
-      const __nv_bfloat16* k_lane =
-          smem.k + (key0 + lane % 8) * Config::kStride + (lane / 8 % 2) * 8;
-#pragma unroll 3
-      for (int step = 0; step < kStepsPerChain; ++step) {
+          for (int j = 0; j < 4; ++j) partial[t][n][j] = 0.0f;
+      // ldmatrix rows: key key0 + n * 8 + lane % 8, 16-byte block lane / 8 of 64 dims.
+      const uint8_t* k_lane = raw + (key0 + lane % 8) * Config::kRawStride + (lane / 8) * 16;
+      constexpr int kFp8Quarters = kDsMla ? 8 : 9;  // 64-dim groups held in fp8
 #pragma unroll
-        for (int c = 0; c < kChains; ++c) {
-          const int k0 = (step * kChains + c) * 16;
+      for (int quarter = 0; quarter < kFp8Quarters; ++quarter) {
+        // Latent quarters visit the four 128-dim tiles in turn (independent accumulators).
+        const int d0 = quarter < 8 ? (quarter % 4) * 128 + (quarter / 4) * 64 : kVDim;
+        const int t = quarter < 8 ? quarter % 4 : 4;
+        uint32_t k_frag[kKeyTiles][4];
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; ++n) {
+          LoadMatrixX4(k_frag[n], k_lane + n * 8 * Config::kRawStride + d0);
+        }
+#pragma unroll
+        for (int step = 0; step < 4; ++step) {
           uint32_t a[4];
-          LoadMatrixX4(a, q_lane + k0);
+          LoadMatrixX4(a, q_lane + d0 + step * 16);
 #pragma unroll
-          for (int n = 0; n < kKeyTiles; n += 2) {
-            // Matrices 0-1: keys n*8.. at dims k0.., k0+8..; matrices 2-3: the next 8 keys.
-            if constexpr (kKeyTiles == 1) {
-              uint32_t b[2];
-              LoadMatrixX2(b, k_lane + k0);
-              MmaBf16(partial[c][n], a, b[0], b[1]);
-            } else {
-              uint32_t b[4];
-              LoadMatrixX4(b, k_lane + (n * 8 + (lane / 16) * 8) * Config::kStride + k0);
-              MmaBf16(partial[c][n], a, b[0], b[1]);
-              MmaBf16(partial[c][n + 1], a, b[2], b[3]);
-            }
+          for (int n = 0; n < kKeyTiles; ++n) {
+            MmaBf16(partial[t][n], a, E4m3PairToBf16(k_frag[n][step], kBytes01),
+                    E4m3PairToBf16(k_frag[n][step], kBytes23));
           }
         }
       }
-      float scores[kKeyTiles][4];
+      if constexpr (kDsMla) {  // RoPE: 64 bf16 values after the latent bytes and the scales
+        const uint8_t* rope_lane = raw + (key0 + lane % 8) * Config::kRawStride + kVDim + 16 +
+                                   (lane / 8) * 16;
 #pragma unroll
-      for (int n = 0; n < kKeyTiles; ++n)
+        for (int half = 0; half < 2; ++half) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          scores[n][j] = partial[0][n][j];
-#pragma unroll
-          for (int c = 1; c < kChains; ++c) scores[n][j] += partial[c][n][j];
+          for (int n = 0; n < kKeyTiles; ++n) {
+            uint32_t b[4];  // dims 32 half + {0, 8, 16, 24}.. of keys n * 8..
+            LoadMatrixX4(b, rope_lane + n * 8 * Config::kRawStride + half * 64);
+            uint32_t a[4];
+            LoadMatrixX4(a, q_lane + kVDim + half * 32);
+            MmaBf16(partial[4][n], a, b[0], b[1]);
+            LoadMatrixX4(a, q_lane + kVDim + half * 32 + 16);
+            MmaBf16(partial[4][n], a, b[2], b[3]);
+          }
         }
+      }
       const int32_t* tile_slots = smem.slots + tile * kBlockN;
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
         const int key = key0 + n * 8 + 2 * quad_lane;
+        float scale[4][2];
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          scale[t][0] = kDsMla ? TileScale<Config>(raw, key, t) : 1.0f;
+          scale[t][1] = kDsMla ? TileScale<Config>(raw, key + 1, t) : 1.0f;
+        }
         const bool valid0 = tile_slots[key] >= 0, valid1 = tile_slots[key + 1] >= 0;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float2 value = make_float2(
-              valid0 ? scores[n][2 * half] * p.score_scale_log2 : -INFINITY,
-              valid1 ? scores[n][2 * half + 1] * p.score_scale_log2 : -INFINITY);
+          float dot[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            dot[c] = partial[4][n][2 * half + c];
+#pragma unroll
+            for (int t = 0; t < 4; ++t) dot[c] += scale[t][c] * partial[t][n][2 * half + c];
+          }
+          const float2 value = make_float2(valid0 ? dot[0] * p.score_scale_log2 : -INFINITY,
+                                           valid1 ? dot[1] * p.score_scale_log2 : -INFINITY);
           *reinterpret_cast<float2*>(score_rows + (quad + 8 * half) * Config::kScoreStride + key) =
               value;
         }
@@ -439,28 +419,51 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
       }
     }
 
-    const int column0 = group_warp * Config::kColsPerWarp;
 #pragma unroll
     for (int step = 0; step < kKeySteps; ++step) {
-      const uint32_t a[4] = {PackBf16(probs[step][0][0], probs[step][0][1]),
-                             PackBf16(probs[step][1][0], probs[step][1][1]),
-                             PackBf16(probs[step][0][2], probs[step][0][3]),
-                             PackBf16(probs[step][1][2], probs[step][1][3])};
-      const __nv_bfloat16* v_rows =
-          smem.k + (step * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * Config::kStride + column0 +
-          (lane / 16) * 8;
+      // ldmatrix.trans rows: keys step * 16 + lane % 16, 16-byte column block lane / 16 of 32.
+      const uint8_t* v_lane = raw + (step * 16 + lane % 16) * Config::kRawStride + column0 +
+                              (lane / 16) * 16;
+      // P's A fragment holds keys 2q, 2q+1 (a0, a1) and 2q+8, 2q+9 (a2, a3); fp8_ds_mla scales
+      // each key's probability by the key's scale of the 128-column tile being multiplied.
+      uint32_t a[4];
+      int a_tile = -1;
 #pragma unroll
-      for (int n = 0; n < kOutTiles; n += 2) {
-        uint32_t b[4];
-        LoadMatrixX4Trans(b, v_rows + n * 8);
-        MmaBf16(acc[n], a, b[0], b[1]);
-        MmaBf16(acc[n + 1], a, b[2], b[3]);
+      for (int pair = 0; pair < Config::kColsPerWarp / 32; ++pair) {
+        const int tile_of_pair = (column0 + pair * 32) / 128;
+        if (pair == 0 || (kDsMla && tile_of_pair != a_tile)) {
+          float key_scale[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+          if constexpr (kDsMla) {
+            const int k = step * 16 + 2 * quad_lane;
+            key_scale[0] = TileScale<Config>(raw, k, tile_of_pair);
+            key_scale[1] = TileScale<Config>(raw, k + 1, tile_of_pair);
+            key_scale[2] = TileScale<Config>(raw, k + 8, tile_of_pair);
+            key_scale[3] = TileScale<Config>(raw, k + 9, tile_of_pair);
+          }
+          a[0] = PackBf16(probs[step][0][0] * key_scale[0], probs[step][0][1] * key_scale[1]);
+          a[1] = PackBf16(probs[step][1][0] * key_scale[0], probs[step][1][1] * key_scale[1]);
+          a[2] = PackBf16(probs[step][0][2] * key_scale[2], probs[step][0][3] * key_scale[3]);
+          a[3] = PackBf16(probs[step][1][2] * key_scale[2], probs[step][1][3] * key_scale[3]);
+          a_tile = tile_of_pair;
+        }
+        uint32_t v[4];  // keys 0-7 / 8-15 of column block 0, then of column block 1
+        LoadMatrixX4Trans(v, v_lane + pair * 32);
+#pragma unroll
+        for (int block = 0; block < 2; ++block) {
+          float* even = acc[4 * pair + 2 * block];
+          float* odd = acc[4 * pair + 2 * block + 1];
+          MmaBf16(*reinterpret_cast<float(*)[4]>(even), a,
+                  E4m3PairToBf16(v[2 * block], kBytes02), E4m3PairToBf16(v[2 * block + 1], kBytes02));
+          MmaBf16(*reinterpret_cast<float(*)[4]>(odd), a,
+                  E4m3PairToBf16(v[2 * block], kBytes13), E4m3PairToBf16(v[2 * block + 1], kBytes13));
+        }
       }
     }
   }
   WaitAsync<0>();
 
-  // Epilogue: rows quad and quad + 8 of this warp's row group.
+  // Epilogue: rows quad and quad + 8 of this warp's row group; per 16-column block, the thread's
+  // columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1], odd[1]) of its two tiles.
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -473,27 +476,29 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     const float inverse = empty ? 0.0f : 1.0f / sum;
     const float lse_log2 = empty ? -INFINITY : row_max[half] + log2f(sum);
     const int64_t row_index = int64_t{token} * p.num_heads + head;
-    const int column0 = group_warp * Config::kColsPerWarp + 2 * quad_lane;
-    if (p.num_splits == 1) {
-      __nv_bfloat16* out_row = p.out + row_index * kVDim + column0;
-      const float scale = inverse * p.out_scale;
+    const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
+    const float scale = p.num_splits == 1 ? inverse * p.out_scale : inverse;
 #pragma unroll
-      for (int i = 0; i < kOutTiles; ++i) {
-        *reinterpret_cast<uint32_t*>(out_row + i * 8) =
-            PackBf16(acc[i][2 * half] * scale, acc[i][2 * half + 1] * scale);
+    for (int block = 0; block < kOutTiles / 2; ++block) {
+      const float* even = acc[2 * block];
+      const float* odd = acc[2 * block + 1];
+      const float values[4] = {even[2 * half] * scale, odd[2 * half] * scale,
+                               even[2 * half + 1] * scale, odd[2 * half + 1] * scale};
+      const int column = column0 + block * 16 + 4 * quad_lane;
+      if (p.num_splits == 1) {
+        *reinterpret_cast<uint2*>(p.out + row_index * kVDim + column) =
+            make_uint2(PackBf16(values[0], values[1]), PackBf16(values[2], values[3]));
+      } else {
+        *reinterpret_cast<float4*>(p.partial_out + partial_row * kVDim + column) =
+            make_float4(values[0], values[1], values[2], values[3]);
       }
-      if (group_warp == 0 && quad_lane == 0) {
+    }
+    if (group_warp == 0 && quad_lane == 0) {
+      if (p.num_splits == 1) {
         p.lse[row_index] = p.lse_base_e ? lse_log2 * kLn2 : lse_log2;
+      } else {
+        p.partial_lse[partial_row] = lse_log2;
       }
-    } else {
-      const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
-      float* out_row = p.partial_out + partial_row * kVDim + column0;
-#pragma unroll
-      for (int i = 0; i < kOutTiles; ++i) {
-        *reinterpret_cast<float2*>(out_row + i * 8) =
-            make_float2(acc[i][2 * half] * inverse, acc[i][2 * half + 1] * inverse);
-      }
-      if (group_warp == 0 && quad_lane == 0) p.partial_lse[partial_row] = lse_log2;
     }
   }
 }

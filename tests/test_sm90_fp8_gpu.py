@@ -21,8 +21,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla import kernels, sm90_fp8
-from jax_sparse_mla.kv_cache import dequantize_ds_mla_rows
-from reference import assert_native_matches, attention_from_slots, unpack_ds_mla
+from reference import attention_from_slots, unpack_ds_mla
 from test_sm90_gpu import assert_matches, make_indices, skip_reason
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "-")]
@@ -93,24 +92,11 @@ def check_case(num_tokens, num_heads, num_keys, layout, lse_base="e", *, seed=1,
 
 
 def assert_matches_dequantised(native, q, cache, indices, layout, kwargs):
-    """e4m3 -> bf16 is exact, so the pure-JAX op on the same cache is the tight reference. fp8_ds_mla
-    rows dequantise to value * tile scale, which the kernel rounds once to bf16 for its MMAs (the
-    documented accuracy mode): tight against the pure-JAX op on that bf16 cache, and against the
-    float32 dequantisation within vLLM's fp8 tolerances for out (0.065) and, for lse, 0.05 plus the
-    bf16 rounding of the keys (2^-8 of the scores, which the lse inherits)."""
-    reference = run(q, cache, indices, "xla", **kwargs)
-    if layout == "fp8":
-        assert_matches(native, reference, out_rtol=2e-2)
-        return
-    bf16_kwargs = {k: value for k, value in kwargs.items() if k != "kv_cache_dtype"}
-    assert_matches(native, run(q, bf16_cache(cache), indices, "xla", **bf16_kwargs), out_rtol=1e-2)
-    assert_native_matches(native, reference, out_rtol=0.065, lse_atol=0.05, lse_rtol=2 ** -8)
-
-
-def bf16_cache(ds_mla_cache):
-    """The fp8_ds_mla cache dequantised in float32 and rounded to bf16, [.., .., 576]."""
-    rows = dequantize_ds_mla_rows(ds_mla_cache.reshape(-1, 656)).astype(jnp.bfloat16)
-    return rows.reshape(*ds_mla_cache.shape[:-1], 576)
+    """Against the pure-JAX op on the same cache, which dequantises in float32 (e4m3 -> bf16 is exact).
+    The kernel's MMAs take the fp8 values exactly and apply fp8_ds_mla's tile scales in float32 to
+    the partial dot products; its one rounding is P (times a tile scale) to bf16, as in the bf16
+    path, so both layouts meet the same bounds."""
+    assert_matches(native, run(q, cache, indices, "xla", **kwargs), out_rtol=2e-2)
 
 
 def test_fp8_caches_select_this_kernel():
@@ -174,7 +160,7 @@ def test_against_float64_reference():
     rows[used] = unpack_ds_mla(np.asarray(cache).reshape(NUM_SLOTS, 656)[used])
     out_ref, lse_ref = attention_from_slots(q.astype(np.float64), rows, indices, SCALE)
     np.testing.assert_allclose(np.asarray(out, np.float64), out_ref, rtol=0.065, atol=0.05)
-    np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=0.05, rtol=2 ** -8)
+    np.testing.assert_allclose(np.asarray(lse), lse_ref, atol=5e-3)
 
 
 def test_e4m3_subnormals_are_exact():
