@@ -31,9 +31,7 @@ import datetime
 import functools
 import json
 import os
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -41,21 +39,12 @@ import numpy as np
 
 from jax_sparse_mla import convert_req_index_to_global_index, filter_and_convert_dcp_index
 from jax_sparse_mla.kernels import current_device_capability
+from timing import median_seconds
 
 NUM_REQS, BLOCK_SIZE, TABLE_WIDTH = 64, 64, 1024
 MODES = ("plain", "plain_compact", "dcp2_compact")
 CALLS = (2, 10)  # n1, n2 of the slope
 REPEATS = 30
-
-
-def median_seconds(fn, repeats: int = REPEATS) -> float:
-    fn()  # warm-up (compilation, first touch)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def copy_gbps(gib: float) -> float:
@@ -71,8 +60,8 @@ def copy_gbps(gib: float) -> float:
         return jax.jit(run)
 
     n1, n2 = CALLS
-    t1 = median_seconds(functools.partial(chained_copies(n1), x))
-    t2 = median_seconds(functools.partial(chained_copies(n2), x))
+    t1 = median_seconds(functools.partial(chained_copies(n1), x), REPEATS)
+    t2 = median_seconds(functools.partial(chained_copies(n2), x), REPEATS)
     return 2 * x.nbytes * (n2 - n1) / (t2 - t1) / 1e9
 
 
@@ -131,11 +120,11 @@ def measure(mode: str, implementation: str, num_tokens: int, top_k: int, sets) -
     req_ids, toks, table = sets
     fn = convert_fn(mode, implementation)
     n1, n2 = CALLS
-    t1 = median_seconds(functools.partial(chained(fn, n1), req_ids, table, toks))
-    t2 = median_seconds(functools.partial(chained(fn, n2), req_ids, table, toks))
+    t1 = median_seconds(functools.partial(chained(fn, n1), req_ids, table, toks), REPEATS)
+    t2 = median_seconds(functools.partial(chained(fn, n2), req_ids, table, toks), REPEATS)
     per_call = max((t2 - t1) / (n2 - n1), 1e-9)
     single = jax.jit(fn)
-    us_call = median_seconds(lambda: single(req_ids[0], table, toks[0])) * 1e6
+    us_call = median_seconds(lambda: single(req_ids[0], table, toks[0]), REPEATS) * 1e6
     return dict(impl=implementation, mode=mode, T=num_tokens, K=top_k, us=per_call * 1e6,
                 us_call=us_call, gbps=bytes_per_call(mode, num_tokens, top_k) / per_call / 1e9)
 

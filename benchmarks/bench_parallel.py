@@ -34,9 +34,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 
 
 def _parse():
@@ -74,6 +72,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from jax_sparse_mla import parallel as par  # noqa: E402
 from jax_sparse_mla.flax.config import DEEPSEEK_V32  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 BLOCK_SIZE = 64
 
@@ -211,15 +210,6 @@ def build_step(mesh, shapes, interleave, steps, implementation):
     return (jax.jit(run_layer, donate_argnums=(0,)), jax.jit(run_attention))
 
 
-def timed(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def layouts(args, num_devices):
     if args.meshes:
         return [tuple(int(v) for v in m.lower().split("x")) for m in args.meshes]
@@ -268,11 +258,9 @@ def main():
                 state["y"] = y
                 return acc
 
-            layer_call()  # compile + warm up
-            layer_s = timed(layer_call, repeats) / steps
+            layer_s = median_seconds(layer_call, repeats) / steps  # after a warm-up call
             attn_call = lambda: run_attention(state["caches"], tables, x)  # noqa: E731
-            attn_call()
-            attn_s = timed(attn_call, repeats) / steps
+            attn_s = median_seconds(attn_call, repeats) / steps
             y = np.asarray(jax.device_get(state["y"]), np.float32) if jax.process_count() == 1 \
                 else None
             err = None

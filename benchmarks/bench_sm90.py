@@ -38,15 +38,14 @@ import json
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
+from timing import median_seconds  # noqa: E402
 
 K = 2048
 REGION_ROWS = 8192
@@ -76,15 +75,6 @@ def decode_kwargs(kv_dtype):
     return {"bf16": dict(kv_cache_dtype="bfloat16"),
             "fp8": dict(kv_cache_dtype="fp8_e4m3", k_scale=K_SCALE),
             "fp8_ds_mla": dict(kv_cache_dtype="fp8_ds_mla")}[kv_dtype]
-
-
-def median_seconds(fn, repeats):
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def make_inputs(kv_dtypes, seed=0):
@@ -132,9 +122,7 @@ def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats, kernel=No
                     for i in range(num_calls)]
 
         fn = jax.jit(run)
-        jax.block_until_ready(fn(queries[:num_calls], cache, sets))  # compile + warm up
-        return median_seconds(
-            lambda: jax.block_until_ready(fn(queries[:num_calls], cache, sets)), repeats)
+        return median_seconds(lambda: fn(queries[:num_calls], cache, sets), repeats)
 
     return max(seconds(n2) - seconds(n1), 0.0) / (n2 - n1)
 
@@ -166,8 +154,7 @@ def time_decode_loop(implementation, q, cache, sets, steps=200):
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((q.shape[1], 512), jnp.float32))
 
     fn = jax.jit(loop)
-    jax.block_until_ready(fn(q, cache, sets))
-    return median_seconds(lambda: jax.block_until_ready(fn(q, cache, sets)), 5) / steps
+    return median_seconds(lambda: fn(q, cache, sets), 5) / steps
 
 
 class TorchFa3:

@@ -12,7 +12,9 @@ slots, with page_size = 1. The handler in `ffi/sm90_decode.cuh` runs it on the X
     attention and merges the KV splits. No host synchronisation, no allocation: scratch buffers are
     extra results of the custom call, which the handler declares command-buffer compatible.
 
-The kernel contract (arguments, scales, empty rows) is in `kernels.py`.
+The kernel contract (arguments, scales, empty rows) is in `kernels.py`. For fp8 caches the SM90 fp8
+kernel (`sm90_fp8.py`, registered later) takes precedence; FlashInfer's fp8 instantiation stays
+registered as "sm90_flashinfer_fa3" for the benchmark's side-by-side comparison.
 """
 
 from __future__ import annotations
