@@ -29,7 +29,8 @@ cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
       status != cudaSuccess) {
     return status;
   }
-  const dim3 grid(params.num_splits, (params.num_heads + Config::kHeads - 1) / Config::kHeads,
+  // Head groups vary fastest: the CTAs of one token's splits gather the same rows close in time.
+  const dim3 grid((params.num_heads + Config::kHeads - 1) / Config::kHeads, params.num_splits,
                   params.num_tokens);
   SparseMlaFp8DecodeKernel<Config><<<grid, kThreads, Config::kSmemBytes, stream>>>(params);
   return cudaGetLastError();
@@ -37,14 +38,9 @@ cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
 
 template <KvLayout kLayout>
 cudaError_t LaunchForHeads(int heads_per_cta, const DecodeParams& params, cudaStream_t stream) {
-  switch (heads_per_cta) {
-    case 16: return LaunchDecode<TileConfig<16, kLayout>>(params, stream);
-    case 32: return LaunchDecode<TileConfig<32, kLayout>>(params, stream);
-    default: return LaunchDecode<TileConfig<64, kLayout>>(params, stream);
-  }
+  return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, kLayout>>(params, stream)
+                             : LaunchDecode<TileConfig<2, kLayout>>(params, stream);
 }
-
-int BlockKeys(int heads_per_cta) { return heads_per_cta == 64 ? 32 : 64; }
 
 ffi::Error Sm90Fp8Decode(cudaStream_t stream,
                          ffi::Buffer<ffi::BF16> q,             // [T, H, 576]
@@ -79,12 +75,12 @@ ffi::Error Sm90Fp8Decode(cudaStream_t stream,
   if (valid_counts.dimensions().size() != 1 || valid_counts.dimensions()[0] != num_tokens) {
     return ArgumentError("valid_counts must be [T]");
   }
-  if (heads_per_cta != 16 && heads_per_cta != 32 && heads_per_cta != 64) {
-    return ArgumentError("heads_per_cta must be 16, 32 or 64");
+  if (heads_per_cta != 16 && heads_per_cta != 32) {
+    return ArgumentError("heads_per_cta must be 16 or 32");
   }
   const int64_t num_keys = index_dims[1];
   if (num_splits < 1 || keys_per_split < 1 || keys_per_split > kMaxKeysPerSplit ||
-      keys_per_split % BlockKeys(static_cast<int>(heads_per_cta)) != 0 ||
+      keys_per_split % kBlockN != 0 ||
       num_splits * keys_per_split < num_keys || num_splits > 65535) {
     return ArgumentError("the split plan does not cover K (re-plan for this shape)");
   }

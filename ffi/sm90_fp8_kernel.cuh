@@ -1,22 +1,27 @@
 // Sparse MLA decode over an fp8 KV cache for SM90, our own kernel (no FlashInfer code).
 //
-// One CTA computes `kHeads` heads (16, 32 or 64) of one query token over one split of its top-k
-// slot list. Per tile of kBlockN slots:
+// One CTA computes kHeads = 16 * kRowGroups heads (16 or 32) of one query token over one split of
+// its top-k slot list, with 8 warps. Per tile of 64 slots:
 //   1. cp.async gathers the tile's rows (576 or 656 bytes each) into a raw fp8 stage; invalid slots
 //      (-1 holes, out of range, past the valid count) are never read: their bytes are zero-filled;
-//   2. S = Q K^T with bf16 mma.sync (fp32 accumulate), the warps of a row group sharing 16 heads and
-//      splitting the tile's keys; S goes through shared memory so that every warp sees whole rows;
-//   3. online softmax (base 2) and O += P V, each warp of a row group owning a slice of the 512
-//      output columns (the accumulator of 16 rows x 512 columns does not fit in one warp).
+//   2. S = Q K^T with bf16 mma.sync (fp32 accumulate). The warps split the work by keys (two halves
+//      of 32) and by dims (four groups: one 128-dim latent tile plus 16 RoPE dims each), so every
+//      fp8 value of the tile is read from shared memory and widened once per CTA, and each warp
+//      keeps its slice of Q in registers for the whole split. The four dim groups' partial scores
+//      go through shared memory;
+//   3. a softmax pass over whole rows (16 / kRowGroups threads per row) sums the partials, masks
+//      invalid slots, updates the running max and sum (base 2) and writes P as bf16 once;
+//   4. O += P V, each warp owning 64 of the 512 output columns for all of the CTA's heads.
 // The MMAs read the fp8 rows where cp.async put them: ldmatrix moves byte pairs as 16-bit
 // elements, and each register is widened to two bf16 pairs in place. For S, a thread then holds
-// dims 4q..4q+3 of a 16-dim block where the MMA expects 2q, 2q+1, 2q+8, 2q+9; Q is stored with the
-// same permutation, which leaves every dot product unchanged. For P V (ldmatrix.trans), a register
+// dims 4q..4q+3 of a 16-dim block where the MMA expects 2q, 2q+1, 2q+8, 2q+9: bytes 0 and 2 feed
+// the first pair, 1 and 3 the second, and Q is stored with the same permutation, which leaves
+// every dot product unchanged. For P V (ldmatrix.trans), a register
 // holds two keys of two adjacent columns; the even and odd columns feed two MMAs, and the output
-// columns are put back in order when written. Widening is exact (see E4m3PairToBf16); the
+// columns are put back in order when written. Widening is exact (see PlacedE4m3ToScaledBf16); the
 // per-tensor scale multiplies the scores and the output, fp8_ds_mla's tile scales multiply each
-// 128-dim partial dot product and, for P V, the probabilities of each key.
-// The raw stages form a kStages-deep pipeline: the gathers of later tiles overlap steps 2-3.
+// 128-dim partial dot product and, for P V, the probabilities of each key (one bf16 P per tile).
+// The raw stages form a kStages-deep pipeline: the gathers of later tiles overlap steps 2-4.
 //
 // With one split the CTA writes out / lse directly; otherwise it writes a normalised fp32 partial
 // and its base-2 lse, and MergeSplits combines the splits. A row with no valid slot ends with
@@ -35,6 +40,7 @@ inline constexpr int kQkDim = 576;
 inline constexpr int kVDim = 512;
 inline constexpr int kThreads = 256;
 inline constexpr int kWarps = kThreads / 32;
+inline constexpr int kBlockN = 64;  // slots per tile
 // Largest slot range one split covers: the split's slots are staged in shared memory.
 inline constexpr int kMaxKeysPerSplit = 2048;
 
@@ -60,40 +66,41 @@ struct DecodeParams {
   int num_heads;
   int num_keys;
   int num_splits;
-  int keys_per_split;       // a multiple of the tile size, <= kMaxKeysPerSplit
+  int keys_per_split;       // a multiple of kBlockN, <= kMaxKeysPerSplit
   float score_scale_log2;   // bmm1_scale * log2(e)
   float out_scale;          // bmm2_scale
   bool lse_base_e;
 };
 
-// Tile shapes per head count. Every warp of a row group computes kBlockN / kWarpsPerGroup keys of
-// S (a multiple of 8, the MMA's N) and kVDim / kWarpsPerGroup output columns.
-template <int kHeads_, KvLayout kLayout_>
+template <int kRowGroups_, KvLayout kLayout_>
 struct TileConfig {
-  static constexpr int kHeads = kHeads_;
+  static constexpr int kRowGroups = kRowGroups_;  // 16-row MMA tiles of heads per warp
+  static constexpr int kHeads = 16 * kRowGroups;
   static constexpr KvLayout kLayout = kLayout_;
-  static constexpr int kRowGroups = kHeads / 16;
-  static constexpr int kWarpsPerGroup = kWarps / kRowGroups;
-  static constexpr int kBlockN = kHeads == 64 ? 32 : 64;
-  static constexpr int kStages = kHeads == 32 ? 3 : 4;
-  static constexpr int kKeysPerWarp = kBlockN / kWarpsPerGroup;
-  static constexpr int kColsPerWarp = kVDim / kWarpsPerGroup;
+  static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
+  static constexpr int kStages = 4;
   static constexpr int kRowBytes = fp8::kRowBytes<kLayout>;
   // Shared-memory row strides whose 8 ldmatrix row addresses fall on distinct bank groups:
-  // 592 = 576 + 16 bytes for e4m3 rows (656 already qualifies); Q rows of 576 bf16 + 8.
-  static constexpr int kRawStride = kLayout == KvLayout::kE4m3 ? 592 : 656;
+  // 592 = 576 + 16 bytes for e4m3 rows (656 already qualifies); Q rows of 576 bf16 + 8; partial
+  // scores of 64 fp32 + 8 and P rows of 64 bf16 + 8.
+  static constexpr int kRawStride = kDsMla ? 656 : 592;
   static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kQStride = kQkDim + 8;
-  static constexpr int kScoreStride = kBlockN + 8;  // fp32 scores, padded against bank conflicts
+  static constexpr int kPartialStride = kBlockN + 8;
+  static constexpr int kPStride = kBlockN + 8;
+  static constexpr int kPVersions = kDsMla ? 4 : 1;  // P times each 128-column tile's key scales
 
+  // Q is only read before the first tile, so the partial scores reuse its bytes.
   static constexpr int kQBytes = kHeads * kQStride * 2;
+  static constexpr int kPartialBytes = 4 * kHeads * kPartialStride * 4;
+  static constexpr int kUnionBytes = kQBytes > kPartialBytes ? kQBytes : kPartialBytes;
   static constexpr int kRawBytes = kStages * kBlockN * kRawStride;
-  static constexpr int kScoreBytes = kHeads * kScoreStride * 4;
+  static constexpr int kPBytes = kPVersions * kHeads * kPStride * 2;
+  static constexpr int kRowBytesShared = 2 * kHeads * 4;  // per-row rescale and final 1/sum
   static constexpr int kSlotBytes = kMaxKeysPerSplit * 4;
-  static constexpr int kSmemBytes = kQBytes + kRawBytes + kScoreBytes + kSlotBytes;
+  static constexpr int kSmemBytes = kUnionBytes + kRawBytes + kPBytes + kRowBytesShared + kSlotBytes;
 
-  static_assert(kHeads == 16 || kHeads == 32 || kHeads == 64);
-  static_assert(kKeysPerWarp % 8 == 0 && kColsPerWarp % 32 == 0);
+  static_assert(kRowGroups == 1 || kRowGroups == 2);
   static_assert(kMaxKeysPerSplit % kBlockN == 0);
   static_assert(kSmemBytes <= 227 * 1024);
 };
@@ -123,13 +130,6 @@ __device__ __forceinline__ void LoadMatrixX4(uint32_t (&regs)[4], const void* ro
                : "r"(SmemAddress(row_address)));
 }
 
-// Lanes 0-15 give the row addresses of two 8x8 matrices.
-__device__ __forceinline__ void LoadMatrixX2(uint32_t (&regs)[2], const void* row_address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n"
-               : "=r"(regs[0]), "=r"(regs[1])
-               : "r"(SmemAddress(row_address)));
-}
-
 __device__ __forceinline__ void LoadMatrixX4Trans(uint32_t (&regs)[4], const void* row_address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
@@ -151,64 +151,85 @@ __device__ __forceinline__ uint32_t PackBf16(float low, float high) {
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// Two e4m3 bytes of `fp8x4` (picked by `selector`, see the Selector* constants) as a bf16 pair,
-// with integer operations (the conversion instructions run at a quarter of the ALU rate). An e4m3
-// byte s.eeee.mmm placed as s.0000eeee.mmm0000 is the bf16 of its value times 2^-120 (bf16's
-// exponent bias is 120 above e4m3's), subnormals included; multiplying by 2^120 in bf16 is exact.
-// The e4m3 NaN code becomes a finite value, like every byte pattern of a row the caller selected.
-__device__ __forceinline__ uint32_t E4m3PairToBf16(uint32_t fp8x4, uint32_t selector) {
-  const uint32_t placed = __byte_perm(fp8x4, 0, selector);  // bytes into the high byte of each half
-  const uint32_t scaled_bits = (placed & 0x80008000u) | ((placed & 0x7f007f00u) >> 4);
-  const __nv_bfloat162 scaled = *reinterpret_cast<const __nv_bfloat162*>(&scaled_bits);
-  const __nv_bfloat162 value = __hmul2(scaled, __floats2bfloat162_rn(0x1p120f, 0x1p120f));
-  return *reinterpret_cast<const uint32_t*>(&value);
+// e4m3 bytes 0 and 2 (E4m3Bytes02) or 1 and 3 (E4m3Bytes13) of `fp8x4` as a bf16 pair of their
+// values times 2^-120, with integer operations (the conversion instructions run at a quarter of the
+// ALU rate). An e4m3 byte s.eeee.mmm placed as s.0000eeee.mmm0000 is the bf16 of its value times
+// 2^-120 (bf16's exponent bias is 120 above e4m3's), subnormals included (they become bf16
+// subnormals, which the MMAs take as they are). The e4m3 NaN code becomes a finite value, like
+// every byte pattern of a row the caller selected. The 2^-120 is paid back by kOperandScale on the
+// other MMA operand (Q, P) and kResultScale on the fp32 results.
+__device__ __forceinline__ uint32_t PlacedE4m3ToScaledBf16(uint32_t placed) {
+  // `placed` holds the two bytes in the high byte of each 16-bit half; other bits are ignored.
+  return (placed & 0x80008000u) | ((placed & 0x7f007f00u) >> 4);
+}
+__device__ __forceinline__ uint32_t E4m3Bytes02(uint32_t fp8x4) {
+  return PlacedE4m3ToScaledBf16(fp8x4 << 8);
+}
+__device__ __forceinline__ uint32_t E4m3Bytes13(uint32_t fp8x4) {
+  return PlacedE4m3ToScaledBf16(fp8x4);
 }
 
-// __byte_perm selectors placing bytes (i, j) of a register in the high bytes of a bf16 pair.
-inline constexpr uint32_t kBytes01 = 0x1404, kBytes23 = 0x3424, kBytes02 = 0x2404, kBytes13 = 0x3414;
+// Q's fp8 dims and P enter the MMAs times 2^60 (exact in bf16; Q overflows only past 2^68), so the
+// products with the 2^-120-scaled fp8 values stay far above fp32's subnormals; the fp32 scores and
+// outputs are multiplied by 2^60 to undo the rest.
+inline constexpr float kOperandScale = 0x1p60f;
+inline constexpr float kResultScale = 0x1p60f;
+
+__device__ __forceinline__ uint32_t ScaleBf16Pair(uint32_t pair_bits, float factor) {
+  const __nv_bfloat162 scaled = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair_bits),
+                                        __floats2bfloat162_rn(factor, factor));
+  return *reinterpret_cast<const uint32_t*>(&scaled);
+}
+
 
 // ---- the decode kernel ----------------------------------------------------------------------------
 
 template <typename Config>
 struct SharedTile {
-  __nv_bfloat16* q;   // [kHeads, kQStride], fp8 dims permuted (StoreQueryRows)
-  uint8_t* raw;       // [kStages, kBlockN, kRawStride]
-  float* scores;      // [kHeads, kScoreStride]
-  int32_t* slots;     // [kMaxKeysPerSplit]: the split's slots, -1 where invalid
+  __nv_bfloat16* q;       // [kHeads, kQStride], fp8 dims permuted (StoreQueryRows); before tile 0
+  float* partial;         // [4 dim groups, kHeads, kPartialStride] scores; the bytes of q
+  uint8_t* raw;           // [kStages, kBlockN, kRawStride]
+  __nv_bfloat16* probs;   // [kPVersions, kHeads, kPStride]: P (times a tile's key scales)
+  float* rescale;         // [kHeads]: factor on the running output before this tile's P V
+  float* inverse_sum;     // [kHeads]: 1 / l after the last tile, 0 for a row without valid slots
+  int32_t* slots;         // [kMaxKeysPerSplit]: the split's slots, -1 where invalid
 
   __device__ explicit SharedTile(uint8_t* base)
       : q(reinterpret_cast<__nv_bfloat16*>(base)),
-        raw(base + Config::kQBytes),
-        scores(reinterpret_cast<float*>(base + Config::kQBytes + Config::kRawBytes)),
-        slots(reinterpret_cast<int32_t*>(base + Config::kQBytes + Config::kRawBytes +
-                                         Config::kScoreBytes)) {}
+        partial(reinterpret_cast<float*>(base)),
+        raw(base + Config::kUnionBytes),
+        probs(reinterpret_cast<__nv_bfloat16*>(raw + Config::kRawBytes)),
+        rescale(reinterpret_cast<float*>(raw + Config::kRawBytes + Config::kPBytes)),
+        inverse_sum(rescale + Config::kHeads),
+        slots(reinterpret_cast<int32_t*>(inverse_sum + Config::kHeads)) {}
 };
 
 template <typename Config>
 __device__ __forceinline__ void GatherTile(const SharedTile<Config>& smem, const uint8_t* kv,
                                            int tile, int stage) {
-  uint8_t* raw = smem.raw + stage * Config::kBlockN * Config::kRawStride;
-  constexpr int kChunks = Config::kBlockN * Config::kChunksPerRow;
+  uint8_t* raw = smem.raw + stage * kBlockN * Config::kRawStride;
+  constexpr int kChunks = kBlockN * Config::kChunksPerRow;
 #pragma unroll
   for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
     const int chunk = threadIdx.x + i * kThreads;
     if (kChunks % kThreads != 0 && chunk >= kChunks) break;
     const int row = chunk / Config::kChunksPerRow;
     const int column = chunk % Config::kChunksPerRow;
-    const int32_t slot = smem.slots[tile * Config::kBlockN + row];
+    const int32_t slot = smem.slots[tile * kBlockN + row];
     const uint8_t* src = kv + (slot >= 0 ? int64_t{slot} * Config::kRowBytes + column * 16 : 0);
     CopyAsync16(raw + row * Config::kRawStride + column * 16, src, slot >= 0 ? 16 : 0);
   }
 }
 
-// Q rows of the CTA's heads (zero past num_heads). Within each 16-dim block of the fp8 dims, the
-// bf16 pairs go in the order 0, 2, 4, 6, 1, 3, 5, 7: the MMA's k slots 2q, 2q+1, 2q+8, 2q+9 then
-// hold dims 4q..4q+3, as the fp8 K fragments do (fp8_ds_mla's bf16 RoPE dims keep their order).
+// Q rows of the CTA's heads (zero past num_heads), fp8 dims times kOperandScale. Within each 16-dim
+// block of the fp8 dims, the even dims come first, then the odd ones: the MMA's k slots 2q, 2q+1,
+// 2q+8, 2q+9 then hold dims 4q, 4q+2, 4q+1, 4q+3, as the fp8 K fragments do (bytes 0 and 2, then 1
+// and 3, of a register). fp8_ds_mla's bf16 RoPE dims keep their order.
 template <typename Config>
 __device__ __forceinline__ void StoreQueryRows(const SharedTile<Config>& smem,
                                                const DecodeParams& p, int token, int head_begin) {
   constexpr int kBlocks = kQkDim / 16;
-  constexpr int kFp8Blocks = (Config::kLayout == KvLayout::kE4m3 ? kQkDim : kVDim) / 16;
+  constexpr int kFp8Blocks = (Config::kDsMla ? kVDim : kQkDim) / 16;
   for (int unit = threadIdx.x; unit < Config::kHeads * kBlocks; unit += kThreads) {
     const int row = unit / kBlocks, block = unit % kBlocks;
     const int head = head_begin + row;
@@ -221,8 +242,17 @@ __device__ __forceinline__ void StoreQueryRows(const SharedTile<Config>& smem,
     }
     uint4* dst = reinterpret_cast<uint4*>(smem.q + row * Config::kQStride + block * 16);
     if (block < kFp8Blocks) {
-      dst[0] = make_uint4(low.x, low.z, high.x, high.z);
-      dst[1] = make_uint4(low.y, low.w, high.y, high.w);
+      // (first, second) -> the pair of their low halves (even dims) or high halves (odd dims)
+      const auto even = [](uint32_t first, uint32_t second) {
+        return ScaleBf16Pair(__byte_perm(first, second, 0x5410), kOperandScale);
+      };
+      const auto odd = [](uint32_t first, uint32_t second) {
+        return ScaleBf16Pair(__byte_perm(first, second, 0x7632), kOperandScale);
+      };
+      dst[0] = make_uint4(even(low.x, low.y), even(low.z, low.w), even(high.x, high.y),
+                          even(high.z, high.w));
+      dst[1] = make_uint4(odd(low.x, low.y), odd(low.z, low.w), odd(high.x, high.y),
+                          odd(high.z, high.w));
     } else {
       dst[0] = low;
       dst[1] = high;
@@ -230,26 +260,31 @@ __device__ __forceinline__ void StoreQueryRows(const SharedTile<Config>& smem,
   }
 }
 
-// fp8_ds_mla tile scale of `key` for latent dims [128 t, 128 t + 128).
+// fp8_ds_mla tile scales of `key`: one per 128 latent dims.
 template <typename Config>
-__device__ __forceinline__ float TileScale(const uint8_t* raw, int key, int t) {
-  return reinterpret_cast<const float*>(raw + key * Config::kRawStride + kVDim)[t];
+__device__ __forceinline__ float4 TileScales(const uint8_t* raw, int key) {
+  return *reinterpret_cast<const float4*>(raw + key * Config::kRawStride + kVDim);
+}
+
+__device__ __forceinline__ float Component(const float4& values, int i) {
+  return i == 0 ? values.x : i == 1 ? values.y : i == 2 ? values.z : values.w;
 }
 
 template <typename Config>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t shared_bytes[];
   const SharedTile<Config> smem(shared_bytes);
-  constexpr int kBlockN = Config::kBlockN;
+  constexpr int kRows = Config::kRowGroups;
+  constexpr int kHeads = Config::kHeads;
   constexpr int kStages = Config::kStages;
-  constexpr bool kDsMla = Config::kLayout == KvLayout::kDsMla;
+  constexpr int kStride = Config::kRawStride;
+  constexpr bool kDsMla = Config::kDsMla;
 
-  const int split = blockIdx.x;
-  const int head_begin = blockIdx.y * Config::kHeads;
+  const int head_begin = blockIdx.x * kHeads;
+  const int split = blockIdx.y;
   const int token = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row_group = warp / Config::kWarpsPerGroup;
-  const int group_warp = warp % Config::kWarpsPerGroup;
+  const int quad = lane / 4, quad_lane = lane % 4;
 
   const int valid_count = min(max(p.valid_counts[token], 0), p.num_keys);
   const int key_begin = split * p.keys_per_split;
@@ -266,238 +301,291 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
   StoreQueryRows(smem, p, token, head_begin);
   __syncthreads();
 
+  // Scores: this warp's keys 32 * key_half + [0, 32) over dim group `dim_group`: latent dims
+  // 128 * dim_group + [0, 128) (k-steps 0-7) and RoPE dims 512 + 16 * dim_group + [0, 16) (k-step 8).
+  const int key_half = warp / 4, dim_group = warp % 4;
+  uint32_t q_frag[kRows][9][4];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int step = 0; step < 9; ++step) {
+      const int dim = step < 8 ? 128 * dim_group + 16 * step : kVDim + 16 * dim_group;
+      LoadMatrixX4(q_frag[r][step],
+                   smem.q + (16 * r + lane % 16) * Config::kQStride + dim + (lane / 16) * 8);
+    }
+  }
+  __syncthreads();  // Q is in registers: its bytes now hold partial scores
+
 #pragma unroll
   for (int stage = 0; stage < kStages - 1; ++stage) {
     if (stage < num_tiles) GatherTile(smem, p.kv, stage, stage);
     CommitAsync();
   }
 
-  // Per thread: rows lane/4 and lane/4 + 8 of the warp's 16. O: per 32 columns, four m16n8 tiles
-  // (even and odd columns of two 16-column blocks), columns 4 * (lane % 4) + {0..3} of each block.
-  constexpr int kOutTiles = Config::kColsPerWarp / 8;
-  float acc[kOutTiles][4];
-#pragma unroll
-  for (int i = 0; i < kOutTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; reduced over the quad at the end
+  // Softmax: kThreadsPerRow threads per row, each holding keys 4 * chunk + 64 / kRows * j + [0, 4).
+  constexpr int kThreadsPerRow = kThreads / kHeads;
+  const int softmax_row = threadIdx.x / kThreadsPerRow;
+  const int softmax_chunk = threadIdx.x % kThreadsPerRow;
+  float row_max = -INFINITY;
+  float row_sum = 0.0f;  // this thread's keys only; reduced over the row at the end
 
-  const int quad = lane / 4, quad_lane = lane % 4;
-  const __nv_bfloat16* q_lane =
-      smem.q + (row_group * 16 + lane % 16) * Config::kQStride + (lane / 16) * 8;
-  float* score_rows = smem.scores + (row_group * 16) * Config::kScoreStride;
-  const int key0 = group_warp * Config::kKeysPerWarp;
-  const int column0 = group_warp * Config::kColsPerWarp;
+  // P V: this warp's 64 output columns for all rows. Per row group, per 16 columns, two m16n8 tiles
+  // (even and odd columns); a thread holds columns 4 * quad_lane + {0..3} of each 16.
+  const int column0 = warp * 64;
+  float acc[kRows][8][4];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.0f;
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     WaitAsync<kStages - 2>();
-    __syncthreads();  // the tile landed; the previous tile's stage and scores are no longer read
+    __syncthreads();  // the tile landed; the previous tile's stage and P are no longer read
     if (tile + kStages - 1 < num_tiles) {
       GatherTile(smem, p.kv, tile + kStages - 1, (tile + kStages - 1) % kStages);
     }
     CommitAsync();
-    const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * Config::kRawStride;
+    const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * kStride;
 
-    // S[16, kKeysPerWarp] over 576 dims: one partial sum per 128-dim latent tile (fp8_ds_mla
-    // scales them; they also give the MMAs independent accumulators) and one for the RoPE dims.
-    {
-      constexpr int kKeyTiles = Config::kKeysPerWarp / 8;
-      float partial[5][kKeyTiles][4];
+    {  // Partial scores of this warp's keys and dim group.
+      float score[kRows][4][4];
 #pragma unroll
-      for (int t = 0; t < 5; ++t)
+      for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n)
+        for (int n = 0; n < 4; ++n) score[r][n][0] = score[r][n][1] = score[r][n][2] = score[r][n][3] = 0.0f;
+      // ldmatrix rows: key 32 * key_half + 8 n + lane % 8, 16-byte block lane / 8 of 64 dims.
+      const uint8_t* k_lane =
+          raw + (32 * key_half + lane % 8) * kStride + 128 * dim_group + (lane / 8) * 16;
 #pragma unroll
-          for (int j = 0; j < 4; ++j) partial[t][n][j] = 0.0f;
-      // ldmatrix rows: key key0 + n * 8 + lane % 8, 16-byte block lane / 8 of 64 dims.
-      const uint8_t* k_lane = raw + (key0 + lane % 8) * Config::kRawStride + (lane / 8) * 16;
-      constexpr int kFp8Quarters = kDsMla ? 8 : 9;  // 64-dim groups held in fp8
+      for (int half = 0; half < 2; ++half) {
+        uint32_t k_frag[4][4];
 #pragma unroll
-      for (int quarter = 0; quarter < kFp8Quarters; ++quarter) {
-        // Latent quarters visit the four 128-dim tiles in turn (independent accumulators).
-        const int d0 = quarter < 8 ? (quarter % 4) * 128 + (quarter / 4) * 64 : kVDim;
-        const int t = quarter < 8 ? quarter % 4 : 4;
-        uint32_t k_frag[kKeyTiles][4];
-#pragma unroll
-        for (int n = 0; n < kKeyTiles; ++n) {
-          LoadMatrixX4(k_frag[n], k_lane + n * 8 * Config::kRawStride + d0);
-        }
+        for (int n = 0; n < 4; ++n) LoadMatrixX4(k_frag[n], k_lane + n * 8 * kStride + 64 * half);
 #pragma unroll
         for (int step = 0; step < 4; ++step) {
-          uint32_t a[4];
-          LoadMatrixX4(a, q_lane + d0 + step * 16);
 #pragma unroll
-          for (int n = 0; n < kKeyTiles; ++n) {
-            MmaBf16(partial[t][n], a, E4m3PairToBf16(k_frag[n][step], kBytes01),
-                    E4m3PairToBf16(k_frag[n][step], kBytes23));
+          for (int n = 0; n < 4; ++n) {
+            const uint32_t b0 = E4m3Bytes02(k_frag[n][step]);
+            const uint32_t b1 = E4m3Bytes13(k_frag[n][step]);
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) MmaBf16(score[r][n], q_frag[r][4 * half + step], b0, b1);
           }
         }
       }
-      if constexpr (kDsMla) {  // RoPE: 64 bf16 values after the latent bytes and the scales
-        const uint8_t* rope_lane = raw + (key0 + lane % 8) * Config::kRawStride + kVDim + 16 +
-                                   (lane / 8) * 16;
+      if constexpr (kDsMla) {
+        // The latent tile's scale per key (with kResultScale), then the bf16 RoPE dims: each
+        // ldmatrix.x4 covers dims [0, 8) and [8, 16) of two 8-key tiles.
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+        for (int n = 0; n < 4; ++n) {
+          const int key = 32 * key_half + 8 * n + 2 * quad_lane;
+          const float scale0 = Component(TileScales<Config>(raw, key), dim_group) * kResultScale;
+          const float scale1 = Component(TileScales<Config>(raw, key + 1), dim_group) * kResultScale;
 #pragma unroll
-          for (int n = 0; n < kKeyTiles; ++n) {
-            uint32_t b[4];  // dims 32 half + {0, 8, 16, 24}.. of keys n * 8..
-            LoadMatrixX4(b, rope_lane + n * 8 * Config::kRawStride + half * 64);
-            uint32_t a[4];
-            LoadMatrixX4(a, q_lane + kVDim + half * 32);
-            MmaBf16(partial[4][n], a, b[0], b[1]);
-            LoadMatrixX4(a, q_lane + kVDim + half * 32 + 16);
-            MmaBf16(partial[4][n], a, b[2], b[3]);
+          for (int r = 0; r < kRows; ++r) {
+            score[r][n][0] *= scale0;
+            score[r][n][1] *= scale1;
+            score[r][n][2] *= scale0;
+            score[r][n][3] *= scale1;
           }
+        }
+        const uint8_t* rope_lane = raw + (32 * key_half + 8 * (lane / 16) + lane % 8) * kStride +
+                                   kVDim + 16 + 32 * dim_group + ((lane / 8) % 2) * 16;
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          uint32_t b[4];
+          LoadMatrixX4(b, rope_lane + 16 * pair * kStride);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            MmaBf16(score[r][2 * pair], q_frag[r][8], b[0], b[1]);
+            MmaBf16(score[r][2 * pair + 1], q_frag[r][8], b[2], b[3]);
+          }
+        }
+      } else {  // e4m3 RoPE dims: one 8-key matrix of 16 bytes per key tile
+        uint32_t b[4];
+        LoadMatrixX4(b, raw + (32 * key_half + lane) * kStride + kVDim + 16 * dim_group);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const uint32_t b0 = E4m3Bytes02(b[n]);
+          const uint32_t b1 = E4m3Bytes13(b[n]);
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) MmaBf16(score[r][n], q_frag[r][8], b0, b1);
         }
       }
-      const int32_t* tile_slots = smem.slots + tile * kBlockN;
+      float* partial = smem.partial + dim_group * kHeads * Config::kPartialStride;
 #pragma unroll
-      for (int n = 0; n < kKeyTiles; ++n) {
-        const int key = key0 + n * 8 + 2 * quad_lane;
-        float scale[4][2];
+      for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int t = 0; t < 4; ++t) {
-          scale[t][0] = kDsMla ? TileScale<Config>(raw, key, t) : 1.0f;
-          scale[t][1] = kDsMla ? TileScale<Config>(raw, key + 1, t) : 1.0f;
-        }
-        const bool valid0 = tile_slots[key] >= 0, valid1 = tile_slots[key + 1] >= 0;
+        for (int n = 0; n < 4; ++n)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float dot[2];
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            dot[c] = partial[4][n][2 * half + c];
-#pragma unroll
-            for (int t = 0; t < 4; ++t) dot[c] += scale[t][c] * partial[t][n][2 * half + c];
+          for (int half = 0; half < 2; ++half) {
+            const int row = 16 * r + quad + 8 * half;
+            const int key = 32 * key_half + 8 * n + 2 * quad_lane;
+            *reinterpret_cast<float2*>(partial + row * Config::kPartialStride + key) =
+                make_float2(score[r][n][2 * half], score[r][n][2 * half + 1]);
           }
-          const float2 value = make_float2(valid0 ? dot[0] * p.score_scale_log2 : -INFINITY,
-                                           valid1 ? dot[1] * p.score_scale_log2 : -INFINITY);
-          *reinterpret_cast<float2*>(score_rows + (quad + 8 * half) * Config::kScoreStride + key) =
-              value;
+    }
+    __syncthreads();
+
+    {  // Softmax over whole rows: sum the dim groups, mask, online max and sum, P to bf16.
+      // e4m3: every dim's partial is still 2^-60 too small (fp8_ds_mla's were scaled with the tiles).
+      const float score_scale = p.score_scale_log2 * (kDsMla ? 1.0f : kResultScale);
+      float prob[kRows][4];
+      float tile_max = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
+        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+        for (int g = 0; g < 4; ++g) {
+          const float4 part = *reinterpret_cast<const float4*>(
+              smem.partial + (g * kHeads + softmax_row) * Config::kPartialStride + key);
+          sum.x += part.x;
+          sum.y += part.y;
+          sum.z += part.z;
+          sum.w += part.w;
+        }
+        const int4 slot = *reinterpret_cast<const int4*>(smem.slots + tile * kBlockN + key);
+        prob[j][0] = slot.x >= 0 ? sum.x * score_scale : -INFINITY;
+        prob[j][1] = slot.y >= 0 ? sum.y * score_scale : -INFINITY;
+        prob[j][2] = slot.z >= 0 ? sum.z * score_scale : -INFINITY;
+        prob[j][3] = slot.w >= 0 ? sum.w * score_scale : -INFINITY;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) tile_max = fmaxf(tile_max, prob[j][c]);
+      }
+#pragma unroll
+      for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+      }
+      const float new_max = fmaxf(row_max, tile_max);
+      // While a row has seen only invalid keys its max is -inf: subtract 0 instead (exp2 -> 0).
+      const float base = new_max == -INFINITY ? 0.0f : new_max;
+      const float rescale = exp2f(row_max - base);
+      row_max = new_max;
+      row_sum *= rescale;
+      if (softmax_chunk == 0) smem.rescale[softmax_row] = rescale;
+#pragma unroll
+      for (int j = 0; j < kRows; ++j) {
+        const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          prob[j][c] = exp2f(prob[j][c] - base);
+          row_sum += prob[j][c];
+        }
+        float4 key_scales[4];
+        if constexpr (kDsMla) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) key_scales[c] = TileScales<Config>(raw, key + c);
+        }
+#pragma unroll
+        for (int version = 0; version < Config::kPVersions; ++version) {
+          float value[4];
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            value[c] = prob[j][c] * kOperandScale * (kDsMla ? Component(key_scales[c], version) : 1.0f);
+          }
+          *reinterpret_cast<uint2*>(smem.probs + (version * kHeads + softmax_row) * Config::kPStride +
+                                    key) =
+              make_uint2(PackBf16(value[0], value[1]), PackBf16(value[2], value[3]));
         }
       }
     }
     __syncthreads();
 
-    // Online softmax over the whole tile row (every warp of the group reads the same rows), then
-    // O[:, this warp's columns] += P V.
-    constexpr int kKeySteps = kBlockN / 16;
-    float probs[kKeySteps][2][4];  // [k-step][row half][a-fragment column]
+    {  // O[:, this warp's columns] = rescale * O + P V.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float* row = score_rows + (quad + 8 * half) * Config::kScoreStride;
-      float tile_max = -INFINITY;
+      for (int r = 0; r < kRows; ++r) {
 #pragma unroll
-      for (int step = 0; step < kKeySteps; ++step) {
-        const float2 low = *reinterpret_cast<const float2*>(row + step * 16 + 2 * quad_lane);
-        const float2 high = *reinterpret_cast<const float2*>(row + step * 16 + 8 + 2 * quad_lane);
-        probs[step][half][0] = low.x;
-        probs[step][half][1] = low.y;
-        probs[step][half][2] = high.x;
-        probs[step][half][3] = high.y;
-        tile_max = fmaxf(tile_max, fmaxf(fmaxf(low.x, low.y), fmaxf(high.x, high.y)));
-      }
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float new_max = fmaxf(row_max[half], tile_max);
-      // While a row has seen only invalid keys its max is -inf: subtract 0 instead (exp2 -> 0).
-      const float base = new_max == -INFINITY ? 0.0f : new_max;
-      const float rescale = exp2f(row_max[half] - base);
-      row_max[half] = new_max;
-      row_sum[half] *= rescale;
+        for (int half = 0; half < 2; ++half) {
+          const float rescale = smem.rescale[16 * r + quad + 8 * half];
 #pragma unroll
-      for (int i = 0; i < kOutTiles; ++i) {
-        acc[i][2 * half] *= rescale;
-        acc[i][2 * half + 1] *= rescale;
-      }
-#pragma unroll
-      for (int step = 0; step < kKeySteps; ++step) {
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          probs[step][half][j] = exp2f(probs[step][half][j] - base);
-          row_sum[half] += probs[step][half][j];
-        }
-      }
-    }
-
-#pragma unroll
-    for (int step = 0; step < kKeySteps; ++step) {
-      // ldmatrix.trans rows: keys step * 16 + lane % 16, 16-byte column block lane / 16 of 32.
-      const uint8_t* v_lane = raw + (step * 16 + lane % 16) * Config::kRawStride + column0 +
-                              (lane / 16) * 16;
-      // P's A fragment holds keys 2q, 2q+1 (a0, a1) and 2q+8, 2q+9 (a2, a3); fp8_ds_mla scales
-      // each key's probability by the key's scale of the 128-column tile being multiplied.
-      uint32_t a[4];
-      int a_tile = -1;
-#pragma unroll
-      for (int pair = 0; pair < Config::kColsPerWarp / 32; ++pair) {
-        const int tile_of_pair = (column0 + pair * 32) / 128;
-        if (pair == 0 || (kDsMla && tile_of_pair != a_tile)) {
-          float key_scale[4] = {1.0f, 1.0f, 1.0f, 1.0f};
-          if constexpr (kDsMla) {
-            const int k = step * 16 + 2 * quad_lane;
-            key_scale[0] = TileScale<Config>(raw, k, tile_of_pair);
-            key_scale[1] = TileScale<Config>(raw, k + 1, tile_of_pair);
-            key_scale[2] = TileScale<Config>(raw, k + 8, tile_of_pair);
-            key_scale[3] = TileScale<Config>(raw, k + 9, tile_of_pair);
+          for (int i = 0; i < 8; ++i) {
+            acc[r][i][2 * half] *= rescale;
+            acc[r][i][2 * half + 1] *= rescale;
           }
-          a[0] = PackBf16(probs[step][0][0] * key_scale[0], probs[step][0][1] * key_scale[1]);
-          a[1] = PackBf16(probs[step][1][0] * key_scale[0], probs[step][1][1] * key_scale[1]);
-          a[2] = PackBf16(probs[step][0][2] * key_scale[2], probs[step][0][3] * key_scale[3]);
-          a[3] = PackBf16(probs[step][1][2] * key_scale[2], probs[step][1][3] * key_scale[3]);
-          a_tile = tile_of_pair;
         }
-        uint32_t v[4];  // keys 0-7 / 8-15 of column block 0, then of column block 1
-        LoadMatrixX4Trans(v, v_lane + pair * 32);
+      }
+      // fp8_ds_mla: the P whose keys carry the scales of this warp's 128-column tile.
+      const __nv_bfloat16* p_lane =
+          smem.probs + ((kDsMla ? column0 / 128 : 0) * kHeads + lane % 16) * Config::kPStride +
+          (lane / 16) * 8;
 #pragma unroll
-        for (int block = 0; block < 2; ++block) {
-          float* even = acc[4 * pair + 2 * block];
-          float* odd = acc[4 * pair + 2 * block + 1];
-          MmaBf16(*reinterpret_cast<float(*)[4]>(even), a,
-                  E4m3PairToBf16(v[2 * block], kBytes02), E4m3PairToBf16(v[2 * block + 1], kBytes02));
-          MmaBf16(*reinterpret_cast<float(*)[4]>(odd), a,
-                  E4m3PairToBf16(v[2 * block], kBytes13), E4m3PairToBf16(v[2 * block + 1], kBytes13));
+      for (int step = 0; step < kBlockN / 16; ++step) {
+        uint32_t a[kRows][4];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          LoadMatrixX4(a[r], p_lane + 16 * r * Config::kPStride + 16 * step);
+        }
+        // ldmatrix.trans rows: keys step * 16 + lane % 16, 16-byte column block lane / 16 of 32.
+        const uint8_t* v_lane = raw + (step * 16 + lane % 16) * kStride + column0 + (lane / 16) * 16;
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          uint32_t v[4];  // keys 0-7 / 8-15 of column block 0, then of column block 1
+          LoadMatrixX4Trans(v, v_lane + pair * 32);
+#pragma unroll
+          for (int block = 0; block < 2; ++block) {
+            const uint32_t even0 = E4m3Bytes02(v[2 * block]);
+            const uint32_t even1 = E4m3Bytes02(v[2 * block + 1]);
+            const uint32_t odd0 = E4m3Bytes13(v[2 * block]);
+            const uint32_t odd1 = E4m3Bytes13(v[2 * block + 1]);
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+              MmaBf16(acc[r][4 * pair + 2 * block], a[r], even0, even1);
+              MmaBf16(acc[r][4 * pair + 2 * block + 1], a[r], odd0, odd1);
+            }
+          }
         }
       }
     }
   }
   WaitAsync<0>();
 
-  // Epilogue: rows quad and quad + 8 of this warp's row group; per 16-column block, the thread's
-  // columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1], odd[1]) of its two tiles.
+  // l per row, then the epilogue: rows 16 r + quad (+ 8) of this warp's 64 columns; per 16-column
+  // block, the thread's columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1], odd[1]).
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float sum = row_sum[half];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int head = head_begin + row_group * 16 + quad + 8 * half;
-    if (head >= p.num_heads) continue;
-    const bool empty = !(sum > 0.0f);
-    const float inverse = empty ? 0.0f : 1.0f / sum;
-    const float lse_log2 = empty ? -INFINITY : row_max[half] + log2f(sum);
-    const int64_t row_index = int64_t{token} * p.num_heads + head;
-    const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
-    const float scale = p.num_splits == 1 ? inverse * p.out_scale : inverse;
-#pragma unroll
-    for (int block = 0; block < kOutTiles / 2; ++block) {
-      const float* even = acc[2 * block];
-      const float* odd = acc[2 * block + 1];
-      const float values[4] = {even[2 * half] * scale, odd[2 * half] * scale,
-                               even[2 * half + 1] * scale, odd[2 * half + 1] * scale};
-      const int column = column0 + block * 16 + 4 * quad_lane;
-      if (p.num_splits == 1) {
-        *reinterpret_cast<uint2*>(p.out + row_index * kVDim + column) =
-            make_uint2(PackBf16(values[0], values[1]), PackBf16(values[2], values[3]));
-      } else {
-        *reinterpret_cast<float4*>(p.partial_out + partial_row * kVDim + column) =
-            make_float4(values[0], values[1], values[2], values[3]);
-      }
-    }
-    if (group_warp == 0 && quad_lane == 0) {
+  for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
+    row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
+  }
+  if (softmax_chunk == 0) {
+    const bool empty = !(row_sum > 0.0f);
+    smem.inverse_sum[softmax_row] = empty ? 0.0f : 1.0f / row_sum;
+    const int head = head_begin + softmax_row;
+    if (head < p.num_heads) {
+      const float lse_log2 = empty ? -INFINITY : row_max + log2f(row_sum);
+      const int64_t row_index = int64_t{token} * p.num_heads + head;
       if (p.num_splits == 1) {
         p.lse[row_index] = p.lse_base_e ? lse_log2 * kLn2 : lse_log2;
       } else {
-        p.partial_lse[partial_row] = lse_log2;
+        p.partial_lse[int64_t{split} * p.num_tokens * p.num_heads + row_index] = lse_log2;
+      }
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = 16 * r + quad + 8 * half;
+      const int head = head_begin + row;
+      if (head >= p.num_heads) continue;
+      const int64_t row_index = int64_t{token} * p.num_heads + head;
+      const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
+      const float scale =
+          smem.inverse_sum[row] * kResultScale * (p.num_splits == 1 ? p.out_scale : 1.0f);
+#pragma unroll
+      for (int block = 0; block < 4; ++block) {
+        const float* even = acc[r][2 * block];
+        const float* odd = acc[r][2 * block + 1];
+        const float values[4] = {even[2 * half] * scale, odd[2 * half] * scale,
+                                 even[2 * half + 1] * scale, odd[2 * half + 1] * scale};
+        const int column = column0 + block * 16 + 4 * quad_lane;
+        if (p.num_splits == 1) {
+          *reinterpret_cast<uint2*>(p.out + row_index * kVDim + column) =
+              make_uint2(PackBf16(values[0], values[1]), PackBf16(values[2], values[3]));
+        } else {
+          *reinterpret_cast<float4*>(p.partial_out + partial_row * kVDim + column) =
+              make_float4(values[0], values[1], values[2], values[3]);
+        }
       }
     }
   }

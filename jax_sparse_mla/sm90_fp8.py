@@ -3,11 +3,12 @@
 FlashInfer's Hopper MLA kernel runs an fp8 cache about 3x slower than a bf16 one. This kernel
 (`ffi/sm90_fp8_kernel.cuh`) reads either fp8 layout directly: per-tensor e4m3 rows of 576 bytes and
 fp8_ds_mla rows of 656 bytes (512 e4m3, 4 fp32 tile scales, 64 bf16 RoPE). It gathers each tile of
-top-k rows with cp.async, dequantises them to bf16 in shared memory (exact for e4m3; fp8_ds_mla's
-tile scales multiply in float32 and round once to bf16) and runs bf16 tensor-core MMAs with fp32
-accumulation. The per-tensor k_scale multiplies the scores and the output instead of every value.
+64 top-k rows with cp.async and feeds the fp8 bytes to bf16 tensor-core MMAs (fp32 accumulation),
+widening them exactly in registers; the warps split each tile by keys and dims so that every value
+is widened once per CTA. The per-tensor k_scale multiplies the scores and the output; fp8_ds_mla's
+tile scales multiply the 128-dim partial dot products and, for P V, the probabilities.
 
-Work split: one CTA per (token, group of 16/32/64 heads, split of the top-k list). A static plan per
+Work split: one CTA per (token, group of 16 or 32 heads, split of the top-k list). A static plan per
 shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel
 combines them. The bf16 path stays on FlashInfer's kernel (`sm90.py`).
 """
@@ -27,14 +28,14 @@ from . import _validation as v
 
 TARGET = "jax_sparse_mla_sm90_fp8_decode"
 _LAYOUTS = {"fp8_e4m3": 0, "fp8_ds_mla": 1}
-# Must match ffi/sm90_fp8_kernel.cuh: slots a split may cover, and the tile of each head group.
+# Must match ffi/sm90_fp8_kernel.cuh: slots a split may cover, slots per tile.
 MAX_KEYS_PER_SPLIT = 2048
-_TILE_KEYS = {16: 64, 32: 64, 64: 32}
+TILE_KEYS = 64
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """heads_per_cta: 16, 32 or 64; the top-k list splits into num_splits ranges of keys_per_split."""
+    """heads_per_cta: 16 or 32; the top-k list splits into num_splits ranges of keys_per_split."""
 
     heads_per_cta: int
     num_splits: int
@@ -48,15 +49,14 @@ def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> Plan:
     Splits only when T x head groups is below one CTA per SM, keeping at least two tiles per split
     (each CTA also loads its queries), and always enough to keep a split within MAX_KEYS_PER_SPLIT.
     """
-    heads_per_cta = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
-    tile = _TILE_KEYS[heads_per_cta]
-    tiles = max(1, -(-num_keys // tile))
+    heads_per_cta = 16 if num_heads <= 16 else 32
+    tiles = max(1, -(-num_keys // TILE_KEYS))
     ctas = num_tokens * -(-num_heads // heads_per_cta)
     splits = max(1, min(tiles // 2, sm_count // max(ctas, 1)))
-    splits = max(splits, -(-tiles * tile // MAX_KEYS_PER_SPLIT))
+    splits = max(splits, -(-tiles * TILE_KEYS // MAX_KEYS_PER_SPLIT))
     tiles_per_split = -(-tiles // splits)
     return Plan(heads_per_cta=heads_per_cta, num_splits=-(-tiles // tiles_per_split),
-                keys_per_split=tiles_per_split * tile)
+                keys_per_split=tiles_per_split * TILE_KEYS)
 
 
 def _sm90_fp8_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
