@@ -16,11 +16,11 @@
 // elements, and each register is widened to two bf16 pairs in place. For S, a thread then holds
 // dims 4q..4q+3 of a 16-dim block where the MMA expects 2q, 2q+1, 2q+8, 2q+9: bytes 0 and 2 feed
 // the first pair, 1 and 3 the second, and Q is stored with the same permutation, which leaves
-// every dot product unchanged. For P V (ldmatrix.trans), a register
-// holds two keys of two adjacent columns; the even and odd columns feed two MMAs, and the output
-// columns are put back in order when written. Widening is exact (see PlacedE4m3ToScaledBf16); the
-// per-tensor scale multiplies the scores and the output, fp8_ds_mla's tile scales multiply each
-// 128-dim partial dot product and, for P V, the probabilities of each key (one bf16 P per tile).
+// every dot product unchanged. For P V (ldmatrix.trans), a register holds two keys of two adjacent
+// columns; the even and odd columns feed two MMAs, and the output columns are put back in order
+// when written. Widening is exact (see PlacedE4m3ToScaledBf16); the per-tensor scale multiplies
+// the scores and the output, fp8_ds_mla's tile scales multiply each 128-dim partial dot product
+// and, for P V, the probabilities of each key (one bf16 P per 128-column tile).
 // The raw stages form a kStages-deep pipeline: the gathers of later tiles overlap steps 2-4.
 //
 // With one split the CTA writes out / lse directly; otherwise it writes a normalised fp32 partial
@@ -98,7 +98,8 @@ struct TileConfig {
   static constexpr int kPBytes = kPVersions * kHeads * kPStride * 2;
   static constexpr int kRowBytesShared = 2 * kHeads * 4;  // per-row rescale and final 1/sum
   static constexpr int kSlotBytes = kMaxKeysPerSplit * 4;
-  static constexpr int kSmemBytes = kUnionBytes + kRawBytes + kPBytes + kRowBytesShared + kSlotBytes;
+  static constexpr int kSmemBytes =
+      kUnionBytes + kRawBytes + kPBytes + kRowBytesShared + kSlotBytes;
 
   static_assert(kRowGroups == 1 || kRowGroups == 2);
   static_assert(kMaxKeysPerSplit % kBlockN == 0);
@@ -302,7 +303,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
   __syncthreads();
 
   // Scores: this warp's keys 32 * key_half + [0, 32) over dim group `dim_group`: latent dims
-  // 128 * dim_group + [0, 128) (k-steps 0-7) and RoPE dims 512 + 16 * dim_group + [0, 16) (k-step 8).
+  // 128 * dim_group + [0, 128) (k-steps 0-7) and RoPE dims 512 + 16 * dim_group + [0, 16)
+  // (k-step 8).
   const int key_half = warp / 4, dim_group = warp % 4;
   uint32_t q_frag[kRows][9][4];
 #pragma unroll
@@ -352,7 +354,9 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
 #pragma unroll
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int n = 0; n < 4; ++n) score[r][n][0] = score[r][n][1] = score[r][n][2] = score[r][n][3] = 0.0f;
+        for (int n = 0; n < 4; ++n) {
+          score[r][n][0] = score[r][n][1] = score[r][n][2] = score[r][n][3] = 0.0f;
+        }
       // ldmatrix rows: key 32 * key_half + 8 n + lane % 8, 16-byte block lane / 8 of 64 dims.
       const uint8_t* k_lane =
           raw + (32 * key_half + lane % 8) * kStride + 128 * dim_group + (lane / 8) * 16;
@@ -368,7 +372,9 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
             const uint32_t b0 = E4m3Bytes02(k_frag[n][step]);
             const uint32_t b1 = E4m3Bytes13(k_frag[n][step]);
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) MmaBf16(score[r][n], q_frag[r][4 * half + step], b0, b1);
+            for (int r = 0; r < kRows; ++r) {
+              MmaBf16(score[r][n], q_frag[r][4 * half + step], b0, b1);
+            }
           }
         }
       }
@@ -378,8 +384,10 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           const int key = 32 * key_half + 8 * n + 2 * quad_lane;
-          const float scale0 = Component(TileScales<Config>(raw, key), dim_group) * kResultScale;
-          const float scale1 = Component(TileScales<Config>(raw, key + 1), dim_group) * kResultScale;
+          const float scale0 =
+              Component(TileScales<Config>(raw, key), dim_group) * kResultScale;
+          const float scale1 =
+              Component(TileScales<Config>(raw, key + 1), dim_group) * kResultScale;
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
             score[r][n][0] *= scale0;
@@ -427,7 +435,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     __syncthreads();
 
     {  // Softmax over whole rows: sum the dim groups, mask, online max and sum, P to bf16.
-      // e4m3: every dim's partial is still 2^-60 too small (fp8_ds_mla's were scaled with the tiles).
+      // e4m3: every dim's partial is still 2^-60 too small (fp8_ds_mla's were scaled with the
+      // tiles).
       const float score_scale = p.score_scale_log2 * (kDsMla ? 1.0f : kResultScale);
       float prob[kRows][4];
       float tile_max = -INFINITY;
@@ -481,10 +490,11 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
           float value[4];
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
-            value[c] = prob[j][c] * kOperandScale * (kDsMla ? Component(key_scales[c], version) : 1.0f);
+            value[c] = prob[j][c] * kOperandScale *
+                       (kDsMla ? Component(key_scales[c], version) : 1.0f);
           }
-          *reinterpret_cast<uint2*>(smem.probs + (version * kHeads + softmax_row) * Config::kPStride +
-                                    key) =
+          *reinterpret_cast<uint2*>(smem.probs +
+                                    (version * kHeads + softmax_row) * Config::kPStride + key) =
               make_uint2(PackBf16(value[0], value[1]), PackBf16(value[2], value[3]));
         }
       }
@@ -516,7 +526,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
           LoadMatrixX4(a[r], p_lane + 16 * r * Config::kPStride + 16 * step);
         }
         // ldmatrix.trans rows: keys step * 16 + lane % 16, 16-byte column block lane / 16 of 32.
-        const uint8_t* v_lane = raw + (step * 16 + lane % 16) * kStride + column0 + (lane / 16) * 16;
+        const uint8_t* v_lane =
+            raw + (step * 16 + lane % 16) * kStride + column0 + (lane / 16) * 16;
 #pragma unroll
         for (int pair = 0; pair < 2; ++pair) {
           uint32_t v[4];  // keys 0-7 / 8-15 of column block 0, then of column block 1
@@ -540,7 +551,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
   WaitAsync<0>();
 
   // l per row, then the epilogue: rows 16 r + quad (+ 8) of this warp's 64 columns; per 16-column
-  // block, the thread's columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1], odd[1]).
+  // block, the thread's columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1],
+  // odd[1]).
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
