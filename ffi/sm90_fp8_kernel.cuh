@@ -4,23 +4,27 @@
 // its top-k slot list, with 8 warps. Per tile of 64 slots:
 //   1. cp.async gathers the tile's rows (576 or 656 bytes each) into a raw fp8 stage; invalid slots
 //      (-1 holes, out of range, past the valid count) are never read: their bytes are zero-filled;
-//   2. S = Q K^T with bf16 mma.sync (fp32 accumulate). The warps split the work by keys (two halves
+//   2. S = Q K^T with f16 mma.sync (fp32 accumulate). The warps split the work by keys (two halves
 //      of 32) and by dims (four groups: one 128-dim latent tile plus 16 RoPE dims each), so every
-//      fp8 value of the tile is read from shared memory and widened once per CTA, and each warp
+//      fp8 value of the tile is read from shared memory and converted once per CTA, and each warp
 //      keeps its slice of Q in registers for the whole split. The four dim groups' partial scores
 //      go through shared memory;
 //   3. a softmax pass over whole rows (16 / kRowGroups threads per row) sums the partials, masks
 //      invalid slots, updates the running max and sum (base 2) and writes P as bf16 once;
-//   4. O += P V, each warp owning 64 of the 512 output columns for all of the CTA's heads.
-// The MMAs read the fp8 rows where cp.async put them: ldmatrix moves byte pairs as 16-bit
-// elements, and each register is widened to two bf16 pairs in place. For S, a thread then holds
-// dims 4q..4q+3 of a 16-dim block where the MMA expects 2q, 2q+1, 2q+8, 2q+9: bytes 0 and 2 feed
-// the first pair, 1 and 3 the second, and Q is stored with the same permutation, which leaves
-// every dot product unchanged. For P V (ldmatrix.trans), a register holds two keys of two adjacent
-// columns; the even and odd columns feed two MMAs, and the output columns are put back in order
-// when written. Widening is exact (see PlacedE4m3ToScaledBf16); the per-tensor scale multiplies
-// the scores and the output, fp8_ds_mla's tile scales multiply each 128-dim partial dot product
-// and, for P V, the probabilities of each key (one bf16 P per 128-column tile).
+//   4. O += P V with bf16 mma.sync, each warp owning 64 of the 512 output columns for all of the
+//      CTA's heads.
+// The MMAs read the fp8 rows where cp.async put them (ldmatrix moves byte pairs as 16-bit
+// elements). For S, each register of four keys' bytes becomes two f16 pairs through the
+// conversion instructions (exact); Q's dims that meet fp8 keys are held as f16 after a power-of-two
+// row scale (ScaleQueryRows), undone on the fp32 scores. A thread holds dims 4q..4q+3 of a 16-dim
+// block where the MMA expects 2q, 2q+1, 2q+8, 2q+9; Q is stored with the same permutation, which
+// leaves every dot product unchanged. For P V (ldmatrix.trans), a register holds two keys of two
+// adjacent columns, widened to bf16 with integer operations (exact, see PlacedE4m3ToScaledBf16):
+// S's conversions and P V's integer widening share the work between two pipes. The even and odd
+// columns feed two MMAs, and the output columns are put back in order when written. The
+// per-tensor scale multiplies the scores and the output, fp8_ds_mla's tile scales multiply each
+// 128-dim partial dot product and, for P V, the probabilities of each key (one bf16 P per
+// 128-column tile).
 // The raw stages form a kStages-deep pipeline: the gathers of later tiles overlap steps 2-4.
 //
 // With one split the CTA writes out / lse directly; otherwise it writes a normalised fp32 partial
@@ -96,7 +100,7 @@ struct TileConfig {
   static constexpr int kUnionBytes = kQBytes > kPartialBytes ? kQBytes : kPartialBytes;
   static constexpr int kRawBytes = kStages * kBlockN * kRawStride;
   static constexpr int kPBytes = kPVersions * kHeads * kPStride * 2;
-  static constexpr int kRowBytesShared = 2 * kHeads * 4;  // per-row rescale and final 1/sum
+  static constexpr int kRowBytesShared = 3 * kHeads * 4;  // rescale, final 1/sum, 1 / Q's scale
   static constexpr int kSlotBytes = kMaxKeysPerSplit * 4;
   static constexpr int kSmemBytes =
       kUnionBytes + kRawBytes + kPBytes + kRowBytesShared + kSlotBytes;
@@ -147,18 +151,42 @@ __device__ __forceinline__ void MmaBf16(float (&acc)[4], const uint32_t (&a)[4],
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// acc[16x8] += a[16x16] * b[16x8], f16 inputs, fp32 accumulators.
+__device__ __forceinline__ void MmaF16(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// For S: the four e4m3 values of `fp8x4` as two f16 pairs (bytes 0 and 1, then 2 and 3), with one
+// conversion instruction per pair (e4m3 values, subnormals included, are exact in f16). These run
+// on the conversion pipe, next to P V's integer widening below.
+__device__ __forceinline__ void E4m3ToF16Pairs(uint32_t fp8x4, uint32_t& low, uint32_t& high) {
+  asm("{\n"
+      ".reg .b16 low_bytes, high_bytes;\n"
+      "mov.b32 {low_bytes, high_bytes}, %2;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, low_bytes;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, high_bytes;\n"
+      "}\n"
+      : "=r"(low), "=r"(high)
+      : "r"(fp8x4));
+}
+
 __device__ __forceinline__ uint32_t PackBf16(float low, float high) {
   const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// e4m3 bytes 0 and 2 (E4m3Bytes02) or 1 and 3 (E4m3Bytes13) of `fp8x4` as a bf16 pair of their
-// values times 2^-120, with integer operations (the conversion instructions run at a quarter of the
-// ALU rate). An e4m3 byte s.eeee.mmm placed as s.0000eeee.mmm0000 is the bf16 of its value times
-// 2^-120 (bf16's exponent bias is 120 above e4m3's), subnormals included (they become bf16
+// For P V: e4m3 bytes 0 and 2 (E4m3Bytes02) or 1 and 3 (E4m3Bytes13) of `fp8x4` as a bf16 pair of
+// their values times 2^-120, with integer operations (there is no e4m3 -> bf16 conversion
+// instruction). An e4m3 byte s.eeee.mmm placed as s.0000eeee.mmm0000 is the bf16 of its value
+// times 2^-120 (bf16's exponent bias is 120 above e4m3's), subnormals included (they become bf16
 // subnormals, which the MMAs take as they are). The e4m3 NaN code becomes a finite value, like
-// every byte pattern of a row the caller selected. The 2^-120 is paid back by kOperandScale on the
-// other MMA operand (Q, P) and kResultScale on the fp32 results.
+// every byte pattern of a row the caller selected. The 2^-120 is paid back by kOperandScale on P
+// and kResultScale on the fp32 outputs.
 __device__ __forceinline__ uint32_t PlacedE4m3ToScaledBf16(uint32_t placed) {
   // `placed` holds the two bytes in the high byte of each 16-bit half; other bits are ignored.
   return (placed & 0x80008000u) | ((placed & 0x7f007f00u) >> 4);
@@ -170,39 +198,36 @@ __device__ __forceinline__ uint32_t E4m3Bytes13(uint32_t fp8x4) {
   return PlacedE4m3ToScaledBf16(fp8x4);
 }
 
-// Q's fp8 dims and P enter the MMAs times 2^60 (exact in bf16; Q overflows only past 2^68), so the
-// products with the 2^-120-scaled fp8 values stay far above fp32's subnormals; the fp32 scores and
-// outputs are multiplied by 2^60 to undo the rest.
+// P enters the MMAs times 2^60 (P <= 1, times a tile scale for fp8_ds_mla), so that its products
+// with the 2^-120-scaled values stay far above fp32's subnormals; the outputs are multiplied by
+// 2^60 to undo the rest.
 inline constexpr float kOperandScale = 0x1p60f;
 inline constexpr float kResultScale = 0x1p60f;
 
-__device__ __forceinline__ uint32_t ScaleBf16Pair(uint32_t pair_bits, float factor) {
-  const __nv_bfloat162 scaled = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pair_bits),
-                                        __floats2bfloat162_rn(factor, factor));
-  return *reinterpret_cast<const uint32_t*>(&scaled);
-}
 
 
 // ---- the decode kernel ----------------------------------------------------------------------------
 
 template <typename Config>
 struct SharedTile {
-  __nv_bfloat16* q;       // [kHeads, kQStride], fp8 dims permuted (StoreQueryRows); before tile 0
+  uint16_t* q;            // [kHeads, kQStride]: Q as StoreQueryRows leaves it; before tile 0
   float* partial;         // [4 dim groups, kHeads, kPartialStride] scores; the bytes of q
   uint8_t* raw;           // [kStages, kBlockN, kRawStride]
   __nv_bfloat16* probs;   // [kPVersions, kHeads, kPStride]: P (times a tile's key scales)
   float* rescale;         // [kHeads]: factor on the running output before this tile's P V
   float* inverse_sum;     // [kHeads]: 1 / l after the last tile, 0 for a row without valid slots
+  float* query_unscale;   // [kHeads]: 1 / the power of two Q's row was scaled by
   int32_t* slots;         // [kMaxKeysPerSplit]: the split's slots, -1 where invalid
 
   __device__ explicit SharedTile(uint8_t* base)
-      : q(reinterpret_cast<__nv_bfloat16*>(base)),
+      : q(reinterpret_cast<uint16_t*>(base)),
         partial(reinterpret_cast<float*>(base)),
         raw(base + Config::kUnionBytes),
         probs(reinterpret_cast<__nv_bfloat16*>(raw + Config::kRawBytes)),
         rescale(reinterpret_cast<float*>(raw + Config::kRawBytes + Config::kPBytes)),
         inverse_sum(rescale + Config::kHeads),
-        slots(reinterpret_cast<int32_t*>(inverse_sum + Config::kHeads)) {}
+        query_unscale(inverse_sum + Config::kHeads),
+        slots(reinterpret_cast<int32_t*>(query_unscale + Config::kHeads)) {}
 };
 
 template <typename Config>
@@ -222,43 +247,63 @@ __device__ __forceinline__ void GatherTile(const SharedTile<Config>& smem, const
   }
 }
 
-// Q rows of the CTA's heads (zero past num_heads), fp8 dims times kOperandScale. Within each 16-dim
-// block of the fp8 dims, the even dims come first, then the odd ones: the MMA's k slots 2q, 2q+1,
-// 2q+8, 2q+9 then hold dims 4q, 4q+2, 4q+1, 4q+3, as the fp8 K fragments do (bytes 0 and 2, then 1
-// and 3, of a register). fp8_ds_mla's bf16 RoPE dims keep their order.
+// Q rows of the CTA's heads (bf16, zero past num_heads), as given.
 template <typename Config>
 __device__ __forceinline__ void StoreQueryRows(const SharedTile<Config>& smem,
                                                const DecodeParams& p, int token, int head_begin) {
-  constexpr int kBlocks = kQkDim / 16;
-  constexpr int kFp8Blocks = (Config::kDsMla ? kVDim : kQkDim) / 16;
-  for (int unit = threadIdx.x; unit < Config::kHeads * kBlocks; unit += kThreads) {
-    const int row = unit / kBlocks, block = unit % kBlocks;
+  constexpr int kChunks = kQkDim / 8;
+  for (int unit = threadIdx.x; unit < Config::kHeads * kChunks; unit += kThreads) {
+    const int row = unit / kChunks, chunk = unit % kChunks;
     const int head = head_begin + row;
-    uint4 low = make_uint4(0, 0, 0, 0), high = low;
+    uint4 value = make_uint4(0, 0, 0, 0);
     if (head < p.num_heads) {
-      const uint4* src = reinterpret_cast<const uint4*>(
-          p.q + (int64_t{token} * p.num_heads + head) * kQkDim + block * 16);
-      low = src[0];
-      high = src[1];
+      value = reinterpret_cast<const uint4*>(
+          p.q + (int64_t{token} * p.num_heads + head) * kQkDim)[chunk];
     }
-    uint4* dst = reinterpret_cast<uint4*>(smem.q + row * Config::kQStride + block * 16);
-    if (block < kFp8Blocks) {
-      // (first, second) -> the pair of their low halves (even dims) or high halves (odd dims)
-      const auto even = [](uint32_t first, uint32_t second) {
-        return ScaleBf16Pair(__byte_perm(first, second, 0x5410), kOperandScale);
-      };
-      const auto odd = [](uint32_t first, uint32_t second) {
-        return ScaleBf16Pair(__byte_perm(first, second, 0x7632), kOperandScale);
-      };
-      dst[0] = make_uint4(even(low.x, low.y), even(low.z, low.w), even(high.x, high.y),
-                          even(high.z, high.w));
-      dst[1] = make_uint4(odd(low.x, low.y), odd(low.z, low.w), odd(high.x, high.y),
-                          odd(high.z, high.w));
-    } else {
-      dst[0] = low;
-      dst[1] = high;
+    reinterpret_cast<uint4*>(smem.q + row * Config::kQStride)[chunk] = value;
+  }
+}
+
+// In place, the dims of each Q row that meet e4m3 keys become f16: the row is scaled by the power
+// of two that puts its largest |q| in [2^14, 2^15). f16 then holds every bf16 value of the row
+// exactly down to 2^-31 of the largest; smaller ones round to f16's subnormal spacing, an error
+// below 2^-38 of the largest (fp8_ds_mla's bf16 RoPE dims stay as they are). Within each 16-dim
+// block the pairs go in the order 0, 2, 4, 6, 1, 3, 5, 7: the MMA's k slots 2q, 2q+1, 2q+8, 2q+9
+// then hold dims 4q..4q+3, as the key fragments do (bytes 0 and 1, then 2 and 3, of a register).
+template <typename Config>
+__device__ __forceinline__ void ScaleQueryRows(const SharedTile<Config>& smem) {
+  constexpr int kThreadsPerRow = kThreads / Config::kHeads;
+  constexpr int kFp8Blocks = (Config::kDsMla ? kVDim : kQkDim) / 16;
+  const int row = threadIdx.x / kThreadsPerRow, first = threadIdx.x % kThreadsPerRow;
+  uint16_t* q_row = smem.q + row * Config::kQStride;
+  float largest = 0.0f;
+  for (int block = first; block < kFp8Blocks; block += kThreadsPerRow) {
+    for (int d = 0; d < 16; ++d) {
+      const float value = __bfloat162float(__ushort_as_bfloat16(q_row[block * 16 + d]));
+      largest = fmaxf(largest, fabsf(value));
     }
   }
+#pragma unroll
+  for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, offset));
+  }
+  // Rows of zeros (padding heads) keep a scale of 1; past bf16's range the row is clamped.
+  const int exponent = largest > 0.0f ? ilogbf(largest) : 14;
+  const float scale = ldexpf(1.0f, 14 - max(exponent, -110));
+  for (int block = first; block < kFp8Blocks; block += kThreadsPerRow) {
+    uint32_t pairs[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const __half2 converted = __floats2half2_rn(
+          __bfloat162float(__ushort_as_bfloat16(q_row[block * 16 + 2 * i])) * scale,
+          __bfloat162float(__ushort_as_bfloat16(q_row[block * 16 + 2 * i + 1])) * scale);
+      pairs[i] = *reinterpret_cast<const uint32_t*>(&converted);
+    }
+    uint4* dst = reinterpret_cast<uint4*>(q_row + block * 16);
+    dst[0] = make_uint4(pairs[0], pairs[2], pairs[4], pairs[6]);
+    dst[1] = make_uint4(pairs[1], pairs[3], pairs[5], pairs[7]);
+  }
+  if (first == 0) smem.query_unscale[row] = 1.0f / scale;
 }
 
 // fp8_ds_mla tile scales of `key`: one per 128 latent dims.
@@ -301,6 +346,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
   }
   StoreQueryRows(smem, p, token, head_begin);
   __syncthreads();
+  ScaleQueryRows(smem);
+  __syncthreads();
 
   // Scores: this warp's keys 32 * key_half + [0, 32) over dim group `dim_group`: latent dims
   // 128 * dim_group + [0, 128) (k-steps 0-7) and RoPE dims 512 + 16 * dim_group + [0, 16)
@@ -315,6 +362,12 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
       LoadMatrixX4(q_frag[r][step],
                    smem.q + (16 * r + lane % 16) * Config::kQStride + dim + (lane / 16) * 8);
     }
+  }
+  float query_unscale[kRows][2];  // rows quad and quad + 8
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    query_unscale[r][0] = smem.query_unscale[16 * r + quad];
+    query_unscale[r][1] = smem.query_unscale[16 * r + quad + 8];
   }
   __syncthreads();  // Q is in registers: its bytes now hold partial scores
 
@@ -369,31 +422,29 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
         for (int step = 0; step < 4; ++step) {
 #pragma unroll
           for (int n = 0; n < 4; ++n) {
-            const uint32_t b0 = E4m3Bytes02(k_frag[n][step]);
-            const uint32_t b1 = E4m3Bytes13(k_frag[n][step]);
+            uint32_t b0, b1;
+            E4m3ToF16Pairs(k_frag[n][step], b0, b1);
 #pragma unroll
             for (int r = 0; r < kRows; ++r) {
-              MmaBf16(score[r][n], q_frag[r][4 * half + step], b0, b1);
+              MmaF16(score[r][n], q_frag[r][4 * half + step], b0, b1);
             }
           }
         }
       }
       if constexpr (kDsMla) {
-        // The latent tile's scale per key (with kResultScale), then the bf16 RoPE dims: each
-        // ldmatrix.x4 covers dims [0, 8) and [8, 16) of two 8-key tiles.
+        // Undo Q's row scale and apply the latent tile's scale per key, then add the bf16 RoPE
+        // dims: each ldmatrix.x4 covers dims [0, 8) and [8, 16) of two 8-key tiles.
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           const int key = 32 * key_half + 8 * n + 2 * quad_lane;
-          const float scale0 =
-              Component(TileScales<Config>(raw, key), dim_group) * kResultScale;
-          const float scale1 =
-              Component(TileScales<Config>(raw, key + 1), dim_group) * kResultScale;
+          const float scale0 = Component(TileScales<Config>(raw, key), dim_group);
+          const float scale1 = Component(TileScales<Config>(raw, key + 1), dim_group);
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
-            score[r][n][0] *= scale0;
-            score[r][n][1] *= scale1;
-            score[r][n][2] *= scale0;
-            score[r][n][3] *= scale1;
+            score[r][n][0] *= scale0 * query_unscale[r][0];
+            score[r][n][1] *= scale1 * query_unscale[r][0];
+            score[r][n][2] *= scale0 * query_unscale[r][1];
+            score[r][n][3] *= scale1 * query_unscale[r][1];
           }
         }
         const uint8_t* rope_lane = raw + (32 * key_half + 8 * (lane / 16) + lane % 8) * kStride +
@@ -408,16 +459,25 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
             MmaBf16(score[r][2 * pair + 1], q_frag[r][8], b[2], b[3]);
           }
         }
-      } else {  // e4m3 RoPE dims: one 8-key matrix of 16 bytes per key tile
+      } else {  // e4m3 RoPE dims: one 8-key matrix of 16 bytes per key tile; then Q's row scale
         uint32_t b[4];
         LoadMatrixX4(b, raw + (32 * key_half + lane) * kStride + kVDim + 16 * dim_group);
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
-          const uint32_t b0 = E4m3Bytes02(b[n]);
-          const uint32_t b1 = E4m3Bytes13(b[n]);
+          uint32_t b0, b1;
+          E4m3ToF16Pairs(b[n], b0, b1);
 #pragma unroll
-          for (int r = 0; r < kRows; ++r) MmaBf16(score[r][n], q_frag[r][8], b0, b1);
+          for (int r = 0; r < kRows; ++r) MmaF16(score[r][n], q_frag[r][8], b0, b1);
         }
+#pragma unroll
+        for (int r = 0; r < kRows; ++r)
+#pragma unroll
+          for (int n = 0; n < 4; ++n) {
+            score[r][n][0] *= query_unscale[r][0];
+            score[r][n][1] *= query_unscale[r][0];
+            score[r][n][2] *= query_unscale[r][1];
+            score[r][n][3] *= query_unscale[r][1];
+          }
       }
       float* partial = smem.partial + dim_group * kHeads * Config::kPartialStride;
 #pragma unroll
@@ -435,9 +495,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     __syncthreads();
 
     {  // Softmax over whole rows: sum the dim groups, mask, online max and sum, P to bf16.
-      // e4m3: every dim's partial is still 2^-60 too small (fp8_ds_mla's were scaled with the
-      // tiles).
-      const float score_scale = p.score_scale_log2 * (kDsMla ? 1.0f : kResultScale);
+      const float score_scale = p.score_scale_log2;
       float prob[kRows][4];
       float tile_max = -INFINITY;
 #pragma unroll
