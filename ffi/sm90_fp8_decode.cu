@@ -3,6 +3,7 @@
 // one launch of the merge; no host synchronisation, no allocation (partials are XLA scratch).
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -19,16 +20,25 @@ ffi::Error ArgumentError(const std::string& what) {
   return ffi::Error::InvalidArgument("sparse_mla sm90 fp8 decode: " + what);
 }
 
+// Raises the kernel's dynamic shared-memory limit once per device (the attribute belongs to the
+// device's context); a host-side call that stream capture allows.
+template <typename Config>
+cudaError_t RaiseSharedMemoryLimit() {
+  static std::atomic<uint64_t> raised_on{0};  // bit d: done on device d (d < 64)
+  int device = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
+  if ((raised_on.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
+  const cudaError_t status = cudaFuncSetAttribute(
+      SparseMlaFp8DecodeKernel<Config>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+      Config::kSmemBytes);
+  if (status == cudaSuccess) raised_on.fetch_or(bit, std::memory_order_relaxed);
+  return status;
+}
+
 template <typename Config>
 cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
-  // Per call, since the attribute belongs to the current device; a host-side call that stream
-  // capture allows.
-  if (cudaError_t status = cudaFuncSetAttribute(SparseMlaFp8DecodeKernel<Config>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                Config::kSmemBytes);
-      status != cudaSuccess) {
-    return status;
-  }
+  if (cudaError_t status = RaiseSharedMemoryLimit<Config>(); status != cudaSuccess) return status;
   // Head groups vary fastest: the CTAs of one token's splits gather the same rows close in time.
   const dim3 grid((params.num_heads + Config::kHeads - 1) / Config::kHeads, params.num_splits,
                   params.num_tokens);

@@ -617,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     row_sum += __shfl_xor_sync(0xffffffffu, row_sum, offset);
   }
   if (softmax_chunk == 0) {
-    const bool empty = !(row_sum > 0.0f);
+    const bool empty = row_sum == 0.0f;  // a NaN row (NaN or infinite q) stays NaN
     smem.inverse_sum[softmax_row] = empty ? 0.0f : 1.0f / row_sum;
     const int head = head_begin + softmax_row;
     if (head < p.num_heads) {
@@ -666,8 +666,12 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
 __global__ void __launch_bounds__(128) MergeSplitsKernel(const DecodeParams p) {
   const int64_t row = blockIdx.x;  // token * num_heads + head
   const int64_t rows = int64_t{p.num_tokens} * p.num_heads;
+  // The largest lse, NaN if any is (fmaxf would drop it and the row could read as empty).
   float max_lse = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) max_lse = fmaxf(max_lse, p.partial_lse[s * rows + row]);
+  for (int s = 0; s < p.num_splits; ++s) {
+    const float lse = p.partial_lse[s * rows + row];
+    max_lse = (lse > max_lse || isnan(lse)) ? lse : max_lse;
+  }
   float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
   float weight_sum = 0.0f;
   if (max_lse != -INFINITY) {
@@ -683,13 +687,13 @@ __global__ void __launch_bounds__(128) MergeSplitsKernel(const DecodeParams p) {
       weight_sum += weight;
     }
   }
-  const float scale = weight_sum > 0.0f ? p.out_scale / weight_sum : 0.0f;
+  const float scale = weight_sum != 0.0f ? p.out_scale / weight_sum : 0.0f;
   uint2 packed;
   packed.x = PackBf16(total.x * scale, total.y * scale);
   packed.y = PackBf16(total.z * scale, total.w * scale);
   reinterpret_cast<uint2*>(p.out + row * kVDim)[threadIdx.x] = packed;
   if (threadIdx.x == 0) {
-    const float lse_log2 = weight_sum > 0.0f ? max_lse + log2f(weight_sum) : -INFINITY;
+    const float lse_log2 = weight_sum != 0.0f ? max_lse + log2f(weight_sum) : -INFINITY;
     p.lse[row] = p.lse_base_e ? lse_log2 * 0.6931471805599453f : lse_log2;
   }
 }

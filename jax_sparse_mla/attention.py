@@ -238,7 +238,9 @@ def _xla_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, l
     if num_chunks > 1:
         carry, _ = jax.lax.scan(step, carry, chunks[1:])
     running_max, denom, acc = carry
-    has_keys = denom > 0
+    # denom is 0 exactly when no valid key contributed; a NaN (a NaN or infinite query) stays NaN in
+    # out and lse instead of reading as an empty row.
+    has_keys = denom != 0
     out = jnp.where(has_keys[..., None], acc / jnp.where(has_keys, denom, 1.0)[..., None], 0.0)
     lse = jnp.where(has_keys, jnp.log(jnp.where(has_keys, denom, 1.0)) + running_max, -jnp.inf)
     if lse_base == "2":

@@ -184,3 +184,24 @@ def test_mask_empty_rows_sets_the_contract_values_over_nan():
     assert masked_out.dtype == jnp.bfloat16
     assert np.all(np.asarray(masked_out)[[0, 2]] == 0) and np.isnan(np.asarray(masked_out)[1]).all()
     assert np.all(np.isneginf(np.asarray(masked_lse)[[0, 2]])) and np.isnan(np.asarray(masked_lse)[1]).all()
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf])
+def test_non_finite_query_gives_non_finite_rows(value):
+    """A NaN or infinite query value makes its row's out and lse non-finite (never the out 0 /
+    lse -inf of an empty row); the other rows match the float64 reference."""
+    rng = np.random.default_rng(3)
+    q, kv, slots, (nb, bs) = make_case(rng, 3, 4, 64, hole_fraction=0.0, oob=False)
+    q[1, 2, 100] = value
+    out, lse = run(jnp.asarray(q, jnp.bfloat16), jnp.asarray(kv, jnp.bfloat16).reshape(nb, bs, 576),
+                   slots, scale=SCALE)
+    out, lse = np.asarray(out, np.float64), np.asarray(lse)
+    bad = np.zeros((3, 4), bool)
+    bad[1, 2] = True
+    assert not np.isfinite(out[bad]).any() and not np.isfinite(lse[bad]).any()
+    q16 = np.asarray(jnp.asarray(q, jnp.bfloat16), np.float64)
+    ref_out, ref_lse = attention_from_slots(np.where(bad[..., None], 0.0, q16),
+                                            np.asarray(jnp.asarray(kv, jnp.bfloat16), np.float64),
+                                            slots, SCALE)
+    assert_close(out[~bad], ref_out[~bad], atol=1e-2, rtol=2e-2, name="out")
+    assert_close(lse[~bad], ref_lse[~bad], atol=2e-5, rtol=2e-5, name="lse")

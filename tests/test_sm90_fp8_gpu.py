@@ -187,3 +187,29 @@ def test_fp8_query():
     kwargs.update(q_scale=0.25, lse_base="2")
     assert_matches(run(q, cache, indices, "native", **kwargs), run(q, cache, indices, "xla", **kwargs),
                    out_rtol=2e-2)
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
+@pytest.mark.parametrize("num_keys", [128, 2048])  # one split; many splits and the merge
+def test_non_finite_query_rows(layout, num_keys):
+    """NaN and inf query values make exactly their rows non-finite, as in the pure-JAX op (never an
+    empty row's out 0 / lse -inf); a row that selects nothing stays empty whatever its query."""
+    cache, kwargs = cache_and_kwargs(layout)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((3, 16, 576), np.float32)
+    q[0, 3, 100] = np.nan
+    q[2, 7, 200] = np.inf
+    q[1, 5, 50] = np.nan  # token 1 selects nothing (make_indices)
+    q = jnp.asarray(q, jnp.bfloat16)
+    indices = jnp.asarray(indices_for(rng, 3, num_keys))
+    native = run(q, cache, indices, "native", **kwargs)
+    reference = run(q, cache, indices, "xla", **kwargs)
+    bad = np.zeros((3, 16), bool)
+    bad[0, 3] = bad[2, 7] = True
+    for out, lse in (native, reference):
+        out, lse = np.asarray(out, np.float32), np.asarray(lse)
+        assert np.array_equal(~np.isfinite(out).all(axis=-1), bad)
+        assert np.array_equal(~np.isfinite(lse), bad | (np.arange(3) == 1)[:, None])
+        assert (out[1] == 0).all() and np.isneginf(lse[1]).all()
+    assert_matches((native[0][~bad], native[1][~bad]), (reference[0][~bad], reference[1][~bad]),
+                   out_rtol=2e-2)
