@@ -109,7 +109,8 @@ def sparse_mla_decode(
 
     Returns:
       out: [T, H, 512] (or [B, q_len, H, 512]), bf16 (f16 for an f16 query).
-      lse: [T, H] (or [B, q_len, H]) float32. Rows without a valid index: out = 0, lse = -inf.
+      lse: [T, H] (or [B, q_len, H]) float32. Rows without a valid index: out = 0, lse = -inf. A NaN or
+        infinite query value makes its row non-finite (pure JAX and the SM90 fp8 kernel).
     """
     q = v.as_array("q", q)
     kv_cache = v.as_array("kv_cache", kv_cache)
