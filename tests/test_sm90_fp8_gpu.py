@@ -148,6 +148,30 @@ def test_short_counts_leave_splits_empty(layout):
         assert_matches_dequantised(native, q[t:t + 1], cache, indices[t:t + 1], layout, one)
 
 
+@pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
+def test_holes_see_nothing_left_by_other_ctas(layout):
+    """A random half of the tokens select only NaN rows, the others clean rows with half their
+    slots -1. A CTA's shared memory starts with what earlier CTAs on its SM left (2048 CTAs share
+    the SMs, and K = 128 uses each stage row once), so the rows behind the holes can hold NaN
+    codes: they must not reach the clean tokens' output (0 * NaN in an MMA is NaN)."""
+    cache, kwargs = cache_and_kwargs(layout)
+    rng = np.random.default_rng(6)
+    num_tokens, num_keys = 2048, 128
+    clean = caches()["clean"]
+    poisoned = np.setdiff1d(np.arange(NUM_SLOTS), clean)
+    indices = rng.choice(clean, size=(num_tokens, num_keys)).astype(np.int32)
+    indices[rng.random(indices.shape) < 0.5] = -1
+    # Random, not alternating: CTAs reach an SM in launch order, and 132 SMs would pair equal parities.
+    nan_tokens = rng.random(num_tokens) < 0.5
+    indices[nan_tokens] = rng.choice(poisoned, size=(nan_tokens.sum(), num_keys))
+    q = jnp.asarray(rng.standard_normal((num_tokens, 16, 576), np.float32), jnp.bfloat16)
+    native = run(q, cache, jnp.asarray(indices), "native", **kwargs)
+    reference = run(q, cache, jnp.asarray(indices), "xla", **kwargs)
+    clean_tokens = ~nan_tokens
+    assert_matches((native[0][clean_tokens], native[1][clean_tokens]),
+                   (reference[0][clean_tokens], reference[1][clean_tokens]), out_rtol=2e-2)
+
+
 def test_against_float64_reference():
     """Independent of the pure-JAX path: float64 NumPy over the dequantised fp8_ds_mla rows, within
     vLLM's fp8 tolerances."""
