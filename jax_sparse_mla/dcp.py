@@ -99,18 +99,21 @@ def get_dcp_local_seq_lens(
     return (base + jnp.clip(rem - rank * i, 0, i)).astype(jnp.int32)
 
 
-def _check_float(name: str, array) -> None:
-    v.check_dtype(name, array, _FLOAT_DTYPES)
+def _float_out_and_lse(out_name: str, out, out_ranks: int | tuple[int, ...], lse_name: str, lse,
+                       lse_ranks: int | tuple[int, ...]):
+    """An attention output and its lse as arrays, each of a float dtype and an accepted rank."""
+    out = v.as_array(out_name, out)
+    lse = v.as_array(lse_name, lse)
+    v.check_dtype(out_name, out, _FLOAT_DTYPES)
+    v.check_dtype(lse_name, lse, _FLOAT_DTYPES)
+    v.check_rank(out_name, out, out_ranks)
+    v.check_rank(lse_name, lse, lse_ranks)
+    return out, lse
 
 
 def _squeeze_out_and_lses(out, lses):
     """vLLM's accepted layouts: out [B,H,D] or [B,1,H,D]; lses [N,B,H], [N,B,H,1] or [N,B,1,H]."""
-    out = v.as_array("out", out)
-    lses = v.as_array("lses", lses)
-    _check_float("out", out)
-    _check_float("lses", lses)
-    v.check_rank("out", out, (3, 4))
-    v.check_rank("lses", lses, (3, 4))
+    out, lses = _float_out_and_lse("out", out, (3, 4), "lses", lses, (3, 4))
     if out.ndim == 4:
         if out.shape[1] != 1:
             raise ValueError(f"out must be [B, H, D] or [B, 1, H, D], got shape {tuple(out.shape)}.")
@@ -199,12 +202,7 @@ def lse_weighted_combine(
       out [B, H, D] in outputs' dtype (accumulated in float32), and with return_lse the global
       lse [B, H] float32 (-inf for rows where no rank has keys; their out is 0).
     """
-    outputs = v.as_array("outputs", outputs)
-    lses = v.as_array("lses", lses)
-    _check_float("outputs", outputs)
-    _check_float("lses", lses)
-    v.check_rank("outputs", outputs, 4)
-    v.check_rank("lses", lses, 3)
+    outputs, lses = _float_out_and_lse("outputs", outputs, 4, "lses", lses, 3)
     if lses.shape != outputs.shape[:3]:
         raise ValueError(
             f"lses [N, B, H] must match outputs [N, B, H, D]; got lses {tuple(lses.shape)} and "
@@ -249,12 +247,8 @@ def cp_lse_ag_out_rs(
       r (the sum runs in out's dtype, like vLLM's NCCL reduce-scatter); with return_lse also
       lse [B, H/N]. With N == 1 the inputs are returned unchanged, as in vLLM.
     """
-    cp_attn_out = v.as_array("cp_attn_out", cp_attn_out)
-    cp_attn_lse = v.as_array("cp_attn_lse", cp_attn_lse)
-    _check_float("cp_attn_out", cp_attn_out)
-    _check_float("cp_attn_lse", cp_attn_lse)
-    v.check_rank("cp_attn_out", cp_attn_out, 3)
-    v.check_rank("cp_attn_lse", cp_attn_lse, 2)
+    cp_attn_out, cp_attn_lse = _float_out_and_lse("cp_attn_out", cp_attn_out, 3,
+                                                  "cp_attn_lse", cp_attn_lse, 2)
     if cp_attn_lse.shape != cp_attn_out.shape[:2]:
         raise ValueError(
             f"cp_attn_lse [B, H] must match cp_attn_out [B, H, D]; got {tuple(cp_attn_lse.shape)} "
