@@ -2,30 +2,35 @@
 //
 // One CTA computes kHeads = 16 * kRowGroups heads (16 or 32) of one query token over one split of
 // its top-k slot list, with 8 warps. Per tile of 64 slots:
-//   1. cp.async gathers the tile's rows (576 or 656 bytes each) into a raw fp8 stage; invalid slots
-//      (-1 holes, out of range, past the valid count) are never read: their bytes are zero-filled;
+//   1. bulk copies (the copy engine, one per valid slot: a 576- or 656-byte row) bring the tile's
+//      rows into a raw fp8 stage and complete on the stage's mbarrier; invalid slots (-1 holes,
+//      out of range, past the valid count) are never read, and whatever their stage rows hold is
+//      discarded by selects;
 //   2. S = Q K^T with f16 mma.sync (fp32 accumulate). The warps split the work by keys (two halves
 //      of 32) and by dims (four groups: one 128-dim latent tile plus 16 RoPE dims each), so every
 //      fp8 value of the tile is read from shared memory and converted once per CTA, and each warp
 //      keeps its slice of Q in registers for the whole split. The four dim groups' partial scores
 //      go through shared memory;
 //   3. a softmax pass over whole rows (16 / kRowGroups threads per row) sums the partials, masks
-//      invalid slots, updates the running max and sum (base 2) and writes P as bf16 once;
-//   4. O += P V with bf16 mma.sync, each warp owning 64 of the 512 output columns for all of the
-//      CTA's heads.
-// The MMAs read the fp8 rows where cp.async put them (ldmatrix moves byte pairs as 16-bit
+//      invalid slots, updates the running max and sum (base 2) and writes P once;
+//   4. O += P V with mma.sync, each warp owning 64 of the 512 output columns for all of the CTA's
+//      heads (the running output is rescaled only when some row's max moved).
+// Steps 2 and 4 of consecutive tiles share a stretch between two barriers: the scores of tile t + 1
+// are computed next to P V of tile t.
+// The MMAs read the fp8 rows where the copies put them (ldmatrix moves byte pairs as 16-bit
 // elements). For S, each register of four keys' bytes becomes two f16 pairs through the
-// conversion instructions (exact); Q's dims that meet fp8 keys are held as f16 after a power-of-two
-// row scale (ScaleQueryRows), undone on the fp32 scores. A thread holds dims 4q..4q+3 of a 16-dim
-// block where the MMA expects 2q, 2q+1, 2q+8, 2q+9; Q is stored with the same permutation, which
-// leaves every dot product unchanged. For P V (ldmatrix.trans), a register holds two keys of two
-// adjacent columns, widened to bf16 with integer operations (exact, see PlacedE4m3ToScaledBf16):
-// S's conversions and P V's integer widening share the work between two pipes. The even and odd
-// columns feed two MMAs, and the output columns are put back in order when written. The
-// per-tensor scale multiplies the scores and the output, fp8_ds_mla's tile scales multiply each
-// 128-dim partial dot product and, for P V, the probabilities of each key (one bf16 P per
-// 128-column tile).
-// The raw stages form a kStages-deep pipeline: the gathers of later tiles overlap steps 2-4.
+// conversion instructions (exact); Q is held after a power-of-two row scale (ScaleQueryRows; the
+// dims that meet fp8 keys as f16), undone on the fp32 scores. A thread holds dims 4q..4q+3 of a
+// 16-dim block where the MMA expects 2q, 2q+1, 2q+8, 2q+9; Q is stored with the same permutation,
+// which leaves every dot product unchanged. For P V (ldmatrix.trans), a register holds two keys of
+// two adjacent columns: a byte permute and two conversions make the even and odd columns' f16
+// pairs for f16 MMAs with P as f16 (e4m3 rows); fp8_ds_mla rows are widened to bf16 with integer
+// operations instead (exact, see PlacedE4m3ToScaledBf16) because their P carries the tile scales,
+// which need bf16's range. The even and odd columns feed two MMAs, and the output columns are put
+// back in order when written. The per-tensor scale multiplies the scores and the output,
+// fp8_ds_mla's tile scales multiply each 128-dim partial dot product and, for P V, the
+// probabilities of each key (one P per 128-column tile).
+// The raw stages form a kStages-deep pipeline: the copies of later tiles overlap steps 2-4.
 //
 // With one split the CTA writes out / lse directly; otherwise it writes a normalised fp32 partial
 // and its base-2 lse, and MergeSplits combines the splits. A row with no valid slot ends with
@@ -93,6 +98,8 @@ struct TileConfig {
   static constexpr int kPartialStride = kBlockN + 8;
   static constexpr int kPStride = kBlockN + 8;
   static constexpr int kPVersions = kDsMla ? 4 : 1;  // P times each 128-column tile's key scales
+  // P V as bf16 MMAs on integer-widened values (fp8_ds_mla), or as f16 MMAs on converted ones.
+  static constexpr bool kPvBf16 = kDsMla;
 
   // Q is only read before the first tile, so the partial scores reuse its bytes.
   static constexpr int kQBytes = kHeads * kQStride * 2;
@@ -102,8 +109,9 @@ struct TileConfig {
   static constexpr int kPBytes = kPVersions * kHeads * kPStride * 2;
   static constexpr int kRowBytesShared = 3 * kHeads * 4;  // rescale, final 1/sum, 1 / Q's scale
   static constexpr int kSlotBytes = kMaxKeysPerSplit * 4;
+  static constexpr int kBarrierBytes = kStages * 8;
   static constexpr int kSmemBytes =
-      kUnionBytes + kRawBytes + kPBytes + kRowBytesShared + kSlotBytes;
+      kUnionBytes + kRawBytes + kPBytes + kRowBytesShared + kSlotBytes + kBarrierBytes;
 
   static_assert(kRowGroups == 1 || kRowGroups == 2);
   static_assert(kMaxKeysPerSplit % kBlockN == 0);
@@ -116,17 +124,49 @@ __device__ __forceinline__ uint32_t SmemAddress(const void* pointer) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
 }
 
-// 16-byte global -> shared copy; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void CopyAsync16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(dst)),
-               "l"(src), "r"(src_bytes));
+__device__ __forceinline__ void InitBarrier(uint64_t* barrier, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddress(barrier)),
+               "r"(arrivals));
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 
-__device__ __forceinline__ void CommitAsync() { asm volatile("cp.async.commit_group;\n" ::); }
+// One arrival on the barrier, announcing bytes that copies completing on it will bring (copies of
+// other arrivals may complete first: the phase ends only when every arrival is in).
+__device__ __forceinline__ void ArriveExpectBytes(uint64_t* barrier, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
+                   SmemAddress(barrier)),
+               "r"(bytes)
+               : "memory");
+}
 
-template <int kPending>
-__device__ __forceinline__ void WaitAsync() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+__device__ __forceinline__ void WaitBarrier(uint64_t* barrier, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n"
+      "}\n" ::"r"(SmemAddress(barrier)),
+      "r"(phase)
+      : "memory");
+}
+
+// One bulk copy (the copy engine, not the threads, moves the bytes) of `bytes` (a multiple of 16,
+// both addresses 16-byte aligned) that completes on `barrier`.
+__device__ __forceinline__ void CopyBulk(void* dst, const void* src, uint32_t bytes,
+                                         uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(SmemAddress(dst)),
+      "l"(src), "r"(bytes), "r"(SmemAddress(barrier))
+      : "memory");
+}
+
+// 2^x (ex2.approx.ftz: 2^-inf = 0, NaN stays NaN; results below 2^-126 flush to 0).
+__device__ __forceinline__ float Exp2(float x) {
+  float result;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(result) : "f"(x));
+  return result;
 }
 
 __device__ __forceinline__ void LoadMatrixX4(uint32_t (&regs)[4], const void* row_address) {
@@ -161,9 +201,8 @@ __device__ __forceinline__ void MmaF16(float (&acc)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// For S: the four e4m3 values of `fp8x4` as two f16 pairs (bytes 0 and 1, then 2 and 3), with one
-// conversion instruction per pair (e4m3 values, subnormals included, are exact in f16). These run
-// on the conversion pipe, next to P V's integer widening below.
+// The four e4m3 values of `fp8x4` as two f16 pairs (bytes 0 and 1, then 2 and 3), with one
+// conversion instruction per pair (e4m3 values, subnormals included, are exact in f16).
 __device__ __forceinline__ void E4m3ToF16Pairs(uint32_t fp8x4, uint32_t& low, uint32_t& high) {
   asm("{\n"
       ".reg .b16 low_bytes, high_bytes;\n"
@@ -175,18 +214,29 @@ __device__ __forceinline__ void E4m3ToF16Pairs(uint32_t fp8x4, uint32_t& low, ui
       : "r"(fp8x4));
 }
 
+// For P V on e4m3 rows: bytes 0 and 2 (`even`) and 1 and 3 (`odd`) of `fp8x4` as f16 pairs, one
+// byte permute and two conversions.
+__device__ __forceinline__ void E4m3EvenOddToF16(uint32_t fp8x4, uint32_t& even, uint32_t& odd) {
+  E4m3ToF16Pairs(__byte_perm(fp8x4, 0, 0x3120), even, odd);
+}
+
 __device__ __forceinline__ uint32_t PackBf16(float low, float high) {
   const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
   return *reinterpret_cast<const uint32_t*>(&pair);
 }
 
-// For P V: e4m3 bytes 0 and 2 (E4m3Bytes02) or 1 and 3 (E4m3Bytes13) of `fp8x4` as a bf16 pair of
-// their values times 2^-120, with integer operations (there is no e4m3 -> bf16 conversion
-// instruction). An e4m3 byte s.eeee.mmm placed as s.0000eeee.mmm0000 is the bf16 of its value
-// times 2^-120 (bf16's exponent bias is 120 above e4m3's), subnormals included (they become bf16
-// subnormals, which the MMAs take as they are). The e4m3 NaN code becomes a finite value, like
-// every byte pattern of a row the caller selected. The 2^-120 is paid back by kOperandScale on P
-// and kResultScale on the fp32 outputs.
+__device__ __forceinline__ uint32_t PackF16(float low, float high) {
+  const __half2 pair = __floats2half2_rn(low, high);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// For P V on fp8_ds_mla rows: e4m3 bytes 0 and 2 (E4m3Bytes02) or 1 and 3 (E4m3Bytes13) of
+// `fp8x4` as a bf16 pair of their values times 2^-120, with integer operations (there is no
+// e4m3 -> bf16 conversion instruction). An e4m3 byte s.eeee.mmm placed as s.0000eeee.mmm0000 is
+// the bf16 of its value times 2^-120 (bf16's exponent bias is 120 above e4m3's), subnormals
+// included (they become bf16 subnormals, which the MMAs take as they are). The e4m3 NaN code
+// becomes a finite value, like every byte pattern of a row. The 2^-120 is paid back by
+// kOperandScale on P and kResultScale on the fp32 outputs.
 __device__ __forceinline__ uint32_t PlacedE4m3ToScaledBf16(uint32_t placed) {
   // `placed` holds the two bytes in the high byte of each 16-bit half; other bits are ignored.
   return (placed & 0x80008000u) | ((placed & 0x7f007f00u) >> 4);
@@ -198,9 +248,10 @@ __device__ __forceinline__ uint32_t E4m3Bytes13(uint32_t fp8x4) {
   return PlacedE4m3ToScaledBf16(fp8x4);
 }
 
-// P enters the MMAs times 2^60 (P <= 1, times a tile scale for fp8_ds_mla), so that its products
-// with the 2^-120-scaled values stay far above fp32's subnormals; the outputs are multiplied by
-// 2^60 to undo the rest.
+// fp8_ds_mla's P (P <= 1 times a tile scale) enters the MMAs times 2^60, so that its products with
+// the 2^-120-scaled values stay far above fp32's subnormals; the outputs are multiplied by 2^60 to
+// undo the rest. Bf16 keeps fp32's exponent range, which any tile scale needs; e4m3 rows, without
+// tile scales, take P as f16 (P <= 1; finer than bf16) and the values converted exactly to f16.
 inline constexpr float kOperandScale = 0x1p60f;
 inline constexpr float kResultScale = 0x1p60f;
 
@@ -213,37 +264,59 @@ struct SharedTile {
   uint16_t* q;            // [kHeads, kQStride]: Q as StoreQueryRows leaves it; before tile 0
   float* partial;         // [4 dim groups, kHeads, kPartialStride] scores; the bytes of q
   uint8_t* raw;           // [kStages, kBlockN, kRawStride]
-  __nv_bfloat16* probs;   // [kPVersions, kHeads, kPStride]: P (times a tile's key scales)
+  uint16_t* probs;        // [kPVersions, kHeads, kPStride]: P as f16 (e4m3) or bf16 (fp8_ds_mla)
   float* rescale;         // [kHeads]: factor on the running output before this tile's P V
   float* inverse_sum;     // [kHeads]: 1 / l after the last tile, 0 for a row without valid slots
   float* query_unscale;   // [kHeads]: 1 / the power of two Q's row was scaled by
   int32_t* slots;         // [kMaxKeysPerSplit]: the split's slots, -1 where invalid
+  uint64_t* landed;       // [kStages]: mbarriers, a stage's rows have arrived
 
   __device__ explicit SharedTile(uint8_t* base)
       : q(reinterpret_cast<uint16_t*>(base)),
         partial(reinterpret_cast<float*>(base)),
         raw(base + Config::kUnionBytes),
-        probs(reinterpret_cast<__nv_bfloat16*>(raw + Config::kRawBytes)),
+        probs(reinterpret_cast<uint16_t*>(raw + Config::kRawBytes)),
         rescale(reinterpret_cast<float*>(raw + Config::kRawBytes + Config::kPBytes)),
         inverse_sum(rescale + Config::kHeads),
         query_unscale(inverse_sum + Config::kHeads),
-        slots(reinterpret_cast<int32_t*>(query_unscale + Config::kHeads)) {}
+        slots(reinterpret_cast<int32_t*>(query_unscale + Config::kHeads)),
+        landed(reinterpret_cast<uint64_t*>(slots + kMaxKeysPerSplit)) {}
 };
+
+// Every warp issues one bulk copy per valid slot among its 8 rows of the tile (lanes 0-7; the copy
+// takes uniform operands, so the lanes' copies go out one after another) and arrives once on the
+// stage's barrier. Rows of invalid slots keep whatever the stage held (possibly another CTA's
+// bytes): scores and scales computed from them are discarded by selects on the slot, never by
+// multiplying by 0. Their values, which P V's f16 MMAs multiply by P = 0, are zeroed (an e4m3 NaN
+// code would convert to NaN; integer widening makes every byte finite).
+inline constexpr int kRowsPerWarp = kBlockN / kWarps;
 
 template <typename Config>
 __device__ __forceinline__ void GatherTile(const SharedTile<Config>& smem, const uint8_t* kv,
-                                           int tile, int stage) {
-  uint8_t* raw = smem.raw + stage * kBlockN * Config::kRawStride;
-  constexpr int kChunks = kBlockN * Config::kChunksPerRow;
-#pragma unroll
-  for (int i = 0; i < (kChunks + kThreads - 1) / kThreads; ++i) {
-    const int chunk = threadIdx.x + i * kThreads;
-    if (kChunks % kThreads != 0 && chunk >= kChunks) break;
-    const int row = chunk / Config::kChunksPerRow;
-    const int column = chunk % Config::kChunksPerRow;
-    const int32_t slot = smem.slots[tile * kBlockN + row];
-    const uint8_t* src = kv + (slot >= 0 ? int64_t{slot} * Config::kRowBytes + column * 16 : 0);
-    CopyAsync16(raw + row * Config::kRawStride + column * 16, src, slot >= 0 ? 16 : 0);
+                                           int tile, int stage, int warp, int lane) {
+  const int row = warp * kRowsPerWarp + lane;
+  uint64_t* landed = smem.landed + stage;
+  const int32_t slot = lane < kRowsPerWarp ? smem.slots[tile * kBlockN + row] : -1;
+  const int valid_rows = __popc(__ballot_sync(0xffffffffu, slot >= 0));
+  if (lane == 0) ArriveExpectBytes(landed, valid_rows * Config::kRowBytes);
+  if constexpr (!Config::kPvBf16) {
+    uint32_t invalid_rows = __ballot_sync(0xffffffffu, lane < kRowsPerWarp && slot < 0);
+    if (invalid_rows != 0) {
+      static_assert(kVDim == 32 * 16);
+      do {
+        const int invalid_row = warp * kRowsPerWarp + __ffs(invalid_rows) - 1;
+        reinterpret_cast<uint4*>(
+            smem.raw + (stage * kBlockN + invalid_row) * Config::kRawStride)[lane] =
+            make_uint4(0, 0, 0, 0);
+        invalid_rows &= invalid_rows - 1;
+      } while (invalid_rows != 0);
+      // Ordered before later bulk copies into these rows (the copy engine is another proxy).
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    }
+  }
+  if (slot >= 0) {
+    CopyBulk(smem.raw + (stage * kBlockN + row) * Config::kRawStride,
+             kv + int64_t{slot} * Config::kRowBytes, Config::kRowBytes, landed);
   }
 }
 
@@ -264,10 +337,11 @@ __device__ __forceinline__ void StoreQueryRows(const SharedTile<Config>& smem,
   }
 }
 
-// In place, the dims of each Q row that meet e4m3 keys become f16: the row is scaled by the power
-// of two that puts its largest |q| in [2^14, 2^15). f16 then holds every bf16 value of the row
-// exactly down to 2^-31 of the largest; smaller ones round to f16's subnormal spacing, an error
-// below 2^-38 of the largest (fp8_ds_mla's bf16 RoPE dims stay as they are). Within each 16-dim
+// In place, each Q row is scaled by the power of two that puts its largest |q| in [2^14, 2^15),
+// undone on the fp32 scores, and its dims that meet e4m3 keys become f16. f16 then holds every
+// bf16 value of the row exactly down to 2^-31 of the largest; smaller ones round to f16's
+// subnormal spacing, an error below 2^-38 of the largest (fp8_ds_mla's RoPE dims stay bf16,
+// scaled exactly). Within each 16-dim
 // block the pairs go in the order 0, 2, 4, 6, 1, 3, 5, 7: the MMA's k slots 2q, 2q+1, 2q+8, 2q+9
 // then hold dims 4q..4q+3, as the key fragments do (bytes 0 and 1, then 2 and 3, of a register).
 template <typename Config>
@@ -277,7 +351,7 @@ __device__ __forceinline__ void ScaleQueryRows(const SharedTile<Config>& smem) {
   const int row = threadIdx.x / kThreadsPerRow, first = threadIdx.x % kThreadsPerRow;
   uint16_t* q_row = smem.q + row * Config::kQStride;
   float largest = 0.0f;
-  for (int block = first; block < kFp8Blocks; block += kThreadsPerRow) {
+  for (int block = first; block < kQkDim / 16; block += kThreadsPerRow) {
     for (int d = 0; d < 16; ++d) {
       const float value = __bfloat162float(__ushort_as_bfloat16(q_row[block * 16 + d]));
       largest = fmaxf(largest, fabsf(value));
@@ -302,6 +376,13 @@ __device__ __forceinline__ void ScaleQueryRows(const SharedTile<Config>& smem) {
     uint4* dst = reinterpret_cast<uint4*>(q_row + block * 16);
     dst[0] = make_uint4(pairs[0], pairs[2], pairs[4], pairs[6]);
     dst[1] = make_uint4(pairs[1], pairs[3], pairs[5], pairs[7]);
+  }
+  // fp8_ds_mla's RoPE dims stay bf16, scaled by the same power of two (exact).
+  for (int block = kFp8Blocks + first; block < kQkDim / 16; block += kThreadsPerRow) {
+    for (int d = 0; d < 16; ++d) {
+      const float value = __bfloat162float(__ushort_as_bfloat16(q_row[block * 16 + d])) * scale;
+      q_row[block * 16 + d] = __bfloat16_as_ushort(__float2bfloat16_rn(value));
+    }
   }
   if (first == 0) smem.query_unscale[row] = 1.0f / scale;
 }
@@ -344,6 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     const int32_t slot = position < key_end ? token_indices[position] : -1;
     smem.slots[i] = (slot >= 0 && slot < p.num_slots) ? slot : -1;
   }
+  if (threadIdx.x < kStages) InitBarrier(smem.landed + threadIdx.x, kWarps);
   StoreQueryRows(smem, p, token, head_begin);
   __syncthreads();
   ScaleQueryRows(smem);
@@ -363,24 +445,19 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
                    smem.q + (16 * r + lane % 16) * Config::kQStride + dim + (lane / 16) * 8);
     }
   }
-  float query_unscale[kRows][2];  // rows quad and quad + 8
-#pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    query_unscale[r][0] = smem.query_unscale[16 * r + quad];
-    query_unscale[r][1] = smem.query_unscale[16 * r + quad + 8];
-  }
   __syncthreads();  // Q is in registers: its bytes now hold partial scores
 
 #pragma unroll
   for (int stage = 0; stage < kStages - 1; ++stage) {
-    if (stage < num_tiles) GatherTile(smem, p.kv, stage, stage);
-    CommitAsync();
+    if (stage < num_tiles) GatherTile(smem, p.kv, stage, stage, warp, lane);
   }
 
   // Softmax: kThreadsPerRow threads per row, each holding keys 4 * chunk + 64 / kRows * j + [0, 4).
+  // Its row's score scale also undoes the power of two Q's row was scaled by.
   constexpr int kThreadsPerRow = kThreads / kHeads;
   const int softmax_row = threadIdx.x / kThreadsPerRow;
   const int softmax_chunk = threadIdx.x % kThreadsPerRow;
+  const float score_scale = p.score_scale_log2 * smem.query_unscale[softmax_row];
   float row_max = -INFINITY;
   float row_sum = 0.0f;  // this thread's keys only; reduced over the row at the end
 
@@ -393,220 +470,266 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.0f;
 
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    WaitAsync<kStages - 2>();
-    __syncthreads();  // the tile landed; the previous tile's stage and P are no longer read
-    if (tile + kStages - 1 < num_tiles) {
-      GatherTile(smem, p.kv, tile + kStages - 1, (tile + kStages - 1) % kStages);
-    }
-    CommitAsync();
+  // Partial scores of this warp's keys and dim group for `tile` (its rows have landed).
+  const auto scores = [&](int tile) {
     const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * kStride;
-
-    {  // Partial scores of this warp's keys and dim group.
-      float score[kRows][4][4];
+    float score[kRows][4][4];
 #pragma unroll
-      for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < kRows; ++r)
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          score[r][n][0] = score[r][n][1] = score[r][n][2] = score[r][n][3] = 0.0f;
-        }
-      // ldmatrix rows: key 32 * key_half + 8 n + lane % 8, 16-byte block lane / 8 of 64 dims.
-      const uint8_t* k_lane =
-          raw + (32 * key_half + lane % 8) * kStride + 128 * dim_group + (lane / 8) * 16;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        uint32_t k_frag[4][4];
-#pragma unroll
-        for (int n = 0; n < 4; ++n) LoadMatrixX4(k_frag[n], k_lane + n * 8 * kStride + 64 * half);
-#pragma unroll
-        for (int step = 0; step < 4; ++step) {
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            uint32_t b0, b1;
-            E4m3ToF16Pairs(k_frag[n][step], b0, b1);
-#pragma unroll
-            for (int r = 0; r < kRows; ++r) {
-              MmaF16(score[r][n], q_frag[r][4 * half + step], b0, b1);
-            }
-          }
-        }
+      for (int n = 0; n < 4; ++n) {
+        score[r][n][0] = score[r][n][1] = score[r][n][2] = score[r][n][3] = 0.0f;
       }
-      if constexpr (kDsMla) {
-        // Undo Q's row scale and apply the latent tile's scale per key, then add the bf16 RoPE
-        // dims: each ldmatrix.x4 covers dims [0, 8) and [8, 16) of two 8-key tiles.
+    // ldmatrix rows: key 32 * key_half + 8 n + lane % 8, 16-byte block lane / 8 of 64 dims.
+    const uint8_t* k_lane =
+        raw + (32 * key_half + lane % 8) * kStride + 128 * dim_group + (lane / 8) * 16;
 #pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          const int key = 32 * key_half + 8 * n + 2 * quad_lane;
-          const float scale0 = Component(TileScales<Config>(raw, key), dim_group);
-          const float scale1 = Component(TileScales<Config>(raw, key + 1), dim_group);
+    for (int half = 0; half < 2; ++half) {
+      uint32_t k_frag[4][4];
 #pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            score[r][n][0] *= scale0 * query_unscale[r][0];
-            score[r][n][1] *= scale1 * query_unscale[r][0];
-            score[r][n][2] *= scale0 * query_unscale[r][1];
-            score[r][n][3] *= scale1 * query_unscale[r][1];
-          }
-        }
-        const uint8_t* rope_lane = raw + (32 * key_half + 8 * (lane / 16) + lane % 8) * kStride +
-                                   kVDim + 16 + 32 * dim_group + ((lane / 8) % 2) * 16;
+      for (int n = 0; n < 4; ++n) LoadMatrixX4(k_frag[n], k_lane + n * 8 * kStride + 64 * half);
 #pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {
-          uint32_t b[4];
-          LoadMatrixX4(b, rope_lane + 16 * pair * kStride);
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            MmaBf16(score[r][2 * pair], q_frag[r][8], b[0], b[1]);
-            MmaBf16(score[r][2 * pair + 1], q_frag[r][8], b[2], b[3]);
-          }
-        }
-      } else {  // e4m3 RoPE dims: one 8-key matrix of 16 bytes per key tile; then Q's row scale
-        uint32_t b[4];
-        LoadMatrixX4(b, raw + (32 * key_half + lane) * kStride + kVDim + 16 * dim_group);
+      for (int step = 0; step < 4; ++step) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
           uint32_t b0, b1;
-          E4m3ToF16Pairs(b[n], b0, b1);
+          E4m3ToF16Pairs(k_frag[n][step], b0, b1);
 #pragma unroll
-          for (int r = 0; r < kRows; ++r) MmaF16(score[r][n], q_frag[r][8], b0, b1);
+          for (int r = 0; r < kRows; ++r) {
+            MmaF16(score[r][n], q_frag[r][4 * half + step], b0, b1);
+          }
         }
-#pragma unroll
-        for (int r = 0; r < kRows; ++r)
-#pragma unroll
-          for (int n = 0; n < 4; ++n) {
-            score[r][n][0] *= query_unscale[r][0];
-            score[r][n][1] *= query_unscale[r][0];
-            score[r][n][2] *= query_unscale[r][1];
-            score[r][n][3] *= query_unscale[r][1];
-          }
       }
-      float* partial = smem.partial + dim_group * kHeads * Config::kPartialStride;
-#pragma unroll
-      for (int r = 0; r < kRows; ++r)
-#pragma unroll
-        for (int n = 0; n < 4; ++n)
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = 16 * r + quad + 8 * half;
-            const int key = 32 * key_half + 8 * n + 2 * quad_lane;
-            *reinterpret_cast<float2*>(partial + row * Config::kPartialStride + key) =
-                make_float2(score[r][n][2 * half], score[r][n][2 * half + 1]);
-          }
     }
-    __syncthreads();
-
-    {  // Softmax over whole rows: sum the dim groups, mask, online max and sum, P to bf16.
-      const float score_scale = p.score_scale_log2;
-      float prob[kRows][4];
-      float tile_max = -INFINITY;
+    if constexpr (kDsMla) {
+      // Apply the latent tile's scale per key, then add the bf16 RoPE dims (they meet Q's row
+      // scaled too): each ldmatrix.x4 covers dims [0, 8) and [8, 16) of two 8-key tiles.
 #pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
-        float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int n = 0; n < 4; ++n) {
+        const int key = 32 * key_half + 8 * n + 2 * quad_lane;
+        const float scale0 = Component(TileScales<Config>(raw, key), dim_group);
+        const float scale1 = Component(TileScales<Config>(raw, key + 1), dim_group);
 #pragma unroll
-        for (int g = 0; g < 4; ++g) {
-          const float4 part = *reinterpret_cast<const float4*>(
-              smem.partial + (g * kHeads + softmax_row) * Config::kPartialStride + key);
-          sum.x += part.x;
-          sum.y += part.y;
-          sum.z += part.z;
-          sum.w += part.w;
+        for (int r = 0; r < kRows; ++r) {
+          score[r][n][0] *= scale0;
+          score[r][n][1] *= scale1;
+          score[r][n][2] *= scale0;
+          score[r][n][3] *= scale1;
         }
-        const int4 slot = *reinterpret_cast<const int4*>(smem.slots + tile * kBlockN + key);
-        prob[j][0] = slot.x >= 0 ? sum.x * score_scale : -INFINITY;
-        prob[j][1] = slot.y >= 0 ? sum.y * score_scale : -INFINITY;
-        prob[j][2] = slot.z >= 0 ? sum.z * score_scale : -INFINITY;
-        prob[j][3] = slot.w >= 0 ? sum.w * score_scale : -INFINITY;
+      }
+      const uint8_t* rope_lane = raw + (32 * key_half + 8 * (lane / 16) + lane % 8) * kStride +
+                                 kVDim + 16 + 32 * dim_group + ((lane / 8) % 2) * 16;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) tile_max = fmaxf(tile_max, prob[j][c]);
+      for (int pair = 0; pair < 2; ++pair) {
+        uint32_t b[4];
+        LoadMatrixX4(b, rope_lane + 16 * pair * kStride);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          MmaBf16(score[r][2 * pair], q_frag[r][8], b[0], b[1]);
+          MmaBf16(score[r][2 * pair + 1], q_frag[r][8], b[2], b[3]);
+        }
+      }
+    } else {  // e4m3 RoPE dims: one 8-key matrix of 16 bytes per key tile
+      uint32_t b[4];
+      LoadMatrixX4(b, raw + (32 * key_half + lane) * kStride + kVDim + 16 * dim_group);
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        uint32_t b0, b1;
+        E4m3ToF16Pairs(b[n], b0, b1);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) MmaF16(score[r][n], q_frag[r][8], b0, b1);
+      }
+    }
+    float* partial = smem.partial + dim_group * kHeads * Config::kPartialStride;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = 16 * r + quad + 8 * half;
+          const int key = 32 * key_half + 8 * n + 2 * quad_lane;
+          *reinterpret_cast<float2*>(partial + row * Config::kPartialStride + key) =
+              make_float2(score[r][n][2 * half], score[r][n][2 * half + 1]);
+        }
+  };
+
+  // Softmax over whole rows of `tile`: sum the dim groups, mask, online max and sum, P.
+  const auto softmax = [&](int tile) {
+    const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * kStride;
+    float prob[kRows][4];
+    bool valid[kRows][4];
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int g = 0; g < 4; ++g) {
+        const float4 part = *reinterpret_cast<const float4*>(
+            smem.partial + (g * kHeads + softmax_row) * Config::kPartialStride + key);
+        sum.x += part.x;
+        sum.y += part.y;
+        sum.z += part.z;
+        sum.w += part.w;
+      }
+      const int4 slot = *reinterpret_cast<const int4*>(smem.slots + tile * kBlockN + key);
+      valid[j][0] = slot.x >= 0;
+      valid[j][1] = slot.y >= 0;
+      valid[j][2] = slot.z >= 0;
+      valid[j][3] = slot.w >= 0;
+      prob[j][0] = valid[j][0] ? sum.x * score_scale : -INFINITY;
+      prob[j][1] = valid[j][1] ? sum.y * score_scale : -INFINITY;
+      prob[j][2] = valid[j][2] ? sum.z * score_scale : -INFINITY;
+      prob[j][3] = valid[j][3] ? sum.w * score_scale : -INFINITY;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) tile_max = fmaxf(tile_max, prob[j][c]);
+    }
+#pragma unroll
+    for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
+      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
+    }
+    const float new_max = fmaxf(row_max, tile_max);
+    // While a row has seen only invalid keys its max is -inf: subtract 0 instead (exp2 -> 0).
+    const float base = new_max == -INFINITY ? 0.0f : new_max;
+    const float rescale = Exp2(row_max - base);
+    row_max = new_max;
+    row_sum *= rescale;
+    if (softmax_chunk == 0) smem.rescale[softmax_row] = rescale;
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+      const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        prob[j][c] = Exp2(prob[j][c] - base);
+        row_sum += prob[j][c];
+      }
+      float4 key_scales[4];
+      if constexpr (kDsMla) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) key_scales[c] = TileScales<Config>(raw, key + c);
       }
 #pragma unroll
-      for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
-      }
-      const float new_max = fmaxf(row_max, tile_max);
-      // While a row has seen only invalid keys its max is -inf: subtract 0 instead (exp2 -> 0).
-      const float base = new_max == -INFINITY ? 0.0f : new_max;
-      const float rescale = exp2f(row_max - base);
-      row_max = new_max;
-      row_sum *= rescale;
-      if (softmax_chunk == 0) smem.rescale[softmax_row] = rescale;
-#pragma unroll
-      for (int j = 0; j < kRows; ++j) {
-        const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
+      for (int version = 0; version < Config::kPVersions; ++version) {
+        float value[4];
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          prob[j][c] = exp2f(prob[j][c] - base);
-          row_sum += prob[j][c];
+          // An invalid slot's row (and so its scales) is whatever the stage held: select 0.
+          value[c] = valid[j][c] ? (kDsMla ? prob[j][c] * kOperandScale *
+                                                 Component(key_scales[c], version)
+                                           : prob[j][c])
+                                 : 0.0f;
         }
-        float4 key_scales[4];
-        if constexpr (kDsMla) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c) key_scales[c] = TileScales<Config>(raw, key + c);
-        }
-#pragma unroll
-        for (int version = 0; version < Config::kPVersions; ++version) {
-          float value[4];
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            value[c] = prob[j][c] * kOperandScale *
-                       (kDsMla ? Component(key_scales[c], version) : 1.0f);
-          }
-          *reinterpret_cast<uint2*>(smem.probs +
-                                    (version * kHeads + softmax_row) * Config::kPStride + key) =
-              make_uint2(PackBf16(value[0], value[1]), PackBf16(value[2], value[3]));
-        }
+        *reinterpret_cast<uint2*>(smem.probs +
+                                  (version * kHeads + softmax_row) * Config::kPStride + key) =
+            Config::kPvBf16
+                ? make_uint2(PackBf16(value[0], value[1]), PackBf16(value[2], value[3]))
+                : make_uint2(PackF16(value[0], value[1]), PackF16(value[2], value[3]));
       }
     }
-    __syncthreads();
+  };
 
-    {  // O[:, this warp's columns] = rescale * O + P V.
+  // O[:, this warp's columns] *= the rescale the last softmax wrote.
+  const auto rescale_output = [&]() {
+    float rescale[kRows][2];
+    bool any_rescale = false;  // once the row maxima settle, most tiles rescale by 1
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        rescale[r][half] = smem.rescale[16 * r + quad + 8 * half];
+        any_rescale |= rescale[r][half] != 1.0f;
+      }
+    }
+    if (__any_sync(0xffffffffu, any_rescale)) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float rescale = smem.rescale[16 * r + quad + 8 * half];
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            acc[r][i][2 * half] *= rescale;
-            acc[r][i][2 * half + 1] *= rescale;
+            acc[r][i][2 * half] *= rescale[r][half];
+            acc[r][i][2 * half + 1] *= rescale[r][half];
           }
         }
       }
-      // fp8_ds_mla: the P whose keys carry the scales of this warp's 128-column tile.
-      const __nv_bfloat16* p_lane =
-          smem.probs + ((kDsMla ? column0 / 128 : 0) * kHeads + lane % 16) * Config::kPStride +
-          (lane / 16) * 8;
+    }
+  };
+
+  // O[:, this warp's columns] += P V for `tile`.
+  const auto accumulate = [&](int tile) {
+    const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * kStride;
+    // fp8_ds_mla: the P whose keys carry the scales of this warp's 128-column tile.
+    const uint16_t* p_lane =
+        smem.probs + ((kDsMla ? column0 / 128 : 0) * kHeads + lane % 16) * Config::kPStride +
+        (lane / 16) * 8;
 #pragma unroll
-      for (int step = 0; step < kBlockN / 16; ++step) {
-        uint32_t a[kRows][4];
+    for (int step = 0; step < kBlockN / 16; ++step) {
+      uint32_t a[kRows][4];
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          LoadMatrixX4(a[r], p_lane + 16 * r * Config::kPStride + 16 * step);
-        }
-        // ldmatrix.trans rows: keys step * 16 + lane % 16, 16-byte column block lane / 16 of 32.
-        const uint8_t* v_lane =
-            raw + (step * 16 + lane % 16) * kStride + column0 + (lane / 16) * 16;
+      for (int r = 0; r < kRows; ++r) {
+        LoadMatrixX4(a[r], p_lane + 16 * r * Config::kPStride + 16 * step);
+      }
+      // ldmatrix.trans rows: keys step * 16 + lane % 16, 16-byte column block lane / 16 of 32.
+      const uint8_t* v_lane =
+          raw + (step * 16 + lane % 16) * kStride + column0 + (lane / 16) * 16;
 #pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {
-          uint32_t v[4];  // keys 0-7 / 8-15 of column block 0, then of column block 1
-          LoadMatrixX4Trans(v, v_lane + pair * 32);
+      for (int pair = 0; pair < 2; ++pair) {
+        uint32_t v[4];  // keys 0-7 / 8-15 of column block 0, then of column block 1
+        LoadMatrixX4Trans(v, v_lane + pair * 32);
 #pragma unroll
-          for (int block = 0; block < 2; ++block) {
-            const uint32_t even0 = E4m3Bytes02(v[2 * block]);
-            const uint32_t even1 = E4m3Bytes02(v[2 * block + 1]);
-            const uint32_t odd0 = E4m3Bytes13(v[2 * block]);
-            const uint32_t odd1 = E4m3Bytes13(v[2 * block + 1]);
+        for (int block = 0; block < 2; ++block) {
+          uint32_t even0, even1, odd0, odd1;
+          if constexpr (Config::kPvBf16) {
+            even0 = E4m3Bytes02(v[2 * block]);
+            even1 = E4m3Bytes02(v[2 * block + 1]);
+            odd0 = E4m3Bytes13(v[2 * block]);
+            odd1 = E4m3Bytes13(v[2 * block + 1]);
+          } else {
+            E4m3EvenOddToF16(v[2 * block], even0, odd0);
+            E4m3EvenOddToF16(v[2 * block + 1], even1, odd1);
+          }
 #pragma unroll
-            for (int r = 0; r < kRows; ++r) {
+          for (int r = 0; r < kRows; ++r) {
+            if constexpr (Config::kPvBf16) {
               MmaBf16(acc[r][4 * pair + 2 * block], a[r], even0, even1);
               MmaBf16(acc[r][4 * pair + 2 * block + 1], a[r], odd0, odd1);
+            } else {
+              MmaF16(acc[r][4 * pair + 2 * block], a[r], even0, even1);
+              MmaF16(acc[r][4 * pair + 2 * block + 1], a[r], odd0, odd1);
             }
           }
         }
       }
     }
+  };
+
+  // Tile t's P V and tile t + 1's scores share one branch-free stretch between barriers:
+  // independent MMA streams that the scheduler can interleave. The softmax of t + 1 follows
+  // after a barrier.
+  if (num_tiles > 0) {
+    WaitBarrier(smem.landed, 0);
+    scores(0);
+    __syncthreads();
+    softmax(0);
   }
-  WaitAsync<0>();
+  for (int tile = 0; tile + 1 < num_tiles; ++tile) {
+    WaitBarrier(smem.landed + (tile + 1) % kStages, ((tile + 1) / kStages) % 2);
+    __syncthreads();  // P of `tile` is written, its partials read; tile - 1's stage is free
+    if (tile + kStages - 1 < num_tiles) {
+      GatherTile(smem, p.kv, tile + kStages - 1, (tile + kStages - 1) % kStages, warp, lane);
+    }
+    rescale_output();
+    scores(tile + 1);
+    accumulate(tile);
+    __syncthreads();  // partials of tile + 1 are written; P of `tile` is no longer read
+    softmax(tile + 1);
+  }
+  if (num_tiles > 0) {
+    __syncthreads();  // P of the last tile is written
+    rescale_output();
+    accumulate(num_tiles - 1);
+  }
 
   // l per row, then the epilogue: rows 16 r + quad (+ 8) of this warp's 64 columns; per 16-column
   // block, the thread's columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1],
@@ -641,7 +764,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
       const int64_t row_index = int64_t{token} * p.num_heads + head;
       const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
       const float scale =
-          smem.inverse_sum[row] * kResultScale * (p.num_splits == 1 ? p.out_scale : 1.0f);
+          smem.inverse_sum[row] * (Config::kPvBf16 ? kResultScale : 1.0f) *
+          (p.num_splits == 1 ? p.out_scale : 1.0f);
 #pragma unroll
       for (int block = 0; block < 4; ++block) {
         const float* even = acc[r][2 * block];

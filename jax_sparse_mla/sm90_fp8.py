@@ -3,12 +3,14 @@
 FlashInfer's Hopper MLA kernel runs an fp8 cache about 3x slower than a bf16 one. This kernel
 (`ffi/sm90_fp8_kernel.cuh`) reads either fp8 layout directly: per-tensor e4m3 rows of 576 bytes and
 fp8_ds_mla rows of 656 bytes (512 e4m3, 4 fp32 tile scales, 64 bf16 RoPE). It gathers each tile of
-64 top-k rows with cp.async and feeds the fp8 bytes to tensor-core MMAs with fp32 accumulation: for
-S = Q K^T, f16 MMAs on keys converted exactly by conversion instructions and Q held as f16 after a
-power-of-two row scale; for P V, bf16 MMAs on values widened exactly with integer operations. The
-warps split each tile by keys and dims so that every value is converted once per CTA. The
-per-tensor k_scale multiplies the scores and the output; fp8_ds_mla's tile scales multiply the
-128-dim partial dot products and, for P V, the probabilities.
+64 top-k rows with bulk copies (one per row, completing on an mbarrier) and feeds the fp8 bytes to
+tensor-core MMAs with fp32 accumulation: for S = Q K^T, f16 MMAs on keys converted exactly by
+conversion instructions and Q held as f16 after a power-of-two row scale; for P V, f16 MMAs on values
+converted the same way with P as f16 (e4m3), or bf16 MMAs on values widened exactly with integer
+operations with P times the tile scales as bf16 (fp8_ds_mla). The warps split each tile by keys and
+dims so that every value is converted once per CTA. The per-tensor k_scale multiplies the scores
+and the output; fp8_ds_mla's tile scales multiply the 128-dim partial dot products and, for P V,
+the probabilities.
 
 Work split: one CTA per (token, group of 16 or 32 heads, split of the top-k list). A static plan per
 shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel

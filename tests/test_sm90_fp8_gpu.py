@@ -94,9 +94,9 @@ def check_case(num_tokens, num_heads, num_keys, layout, lse_base="e", *, seed=1,
 def assert_matches_dequantised(native, q, cache, indices, layout, kwargs):
     """Against the pure-JAX op on the same cache, which dequantises in float32 (e4m3 -> bf16 is exact).
     The kernel's MMAs take the fp8 values exactly and apply fp8_ds_mla's tile scales in float32 to
-    the partial dot products; its roundings are P (times a tile scale) to bf16, as in the bf16
-    path, and query values below 2^-31 of their row's largest to f16, so both layouts meet the same
-    bounds."""
+    the partial dot products; its roundings are P to f16 (e4m3) or P times a tile scale to bf16
+    (fp8_ds_mla, as in the bf16 path), and query values below 2^-31 of their row's largest to f16,
+    so both layouts meet the same bounds."""
     assert_matches(native, run(q, cache, indices, "xla", **kwargs), out_rtol=2e-2)
 
 
