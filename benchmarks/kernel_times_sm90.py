@@ -4,20 +4,26 @@ Run under Nsight Compute, which times each kernel on its own (no launch gaps, no
 
     ncu --clock-control none --metrics gpu__time_duration.sum \
         --kernel-name regex:"BatchMLAPageAttentionHopper|PackAndClamp|SparseMlaFp8|MergeSplits" \
-        python benchmarks/kernel_times_sm90.py [--shapes 8x16 128x16 128x128] [--kv-dtype fp8]
+        python benchmarks/kernel_times_sm90.py [--shapes 8x16 128x16 128x128] [--kv-dtype fp8] \
+        [--calls 3] > kernel_times.csv  # with ncu's --csv
+    python benchmarks/kernel_times_sm90.py --summarize kernel_times.csv
 
-For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: three calls of
+For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: `--calls` calls of
 jax.jit(sparse_mla_decode(..., implementation="native")) (bf16 cache: PackAndClamp, then FlashInfer's
 BatchMLAPageAttentionHopperKernel as compiled by this package's build; fp8 / fp8_ds_mla caches: our
 SparseMlaFp8DecodeKernel, then MergeSplitsKernel when the plan splits) and, for bf16 and fp8 caches,
-three BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled
-by FlashInfer's JIT). The script prints the order; ncu prints the times.
+as many BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled
+by FlashInfer's JIT). The script prints the order; ncu prints the times. `--summarize` reads ncu's
+CSV output and prints the median, min and max time per kernel and grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import csv
 import os
+import statistics
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch
 
@@ -28,7 +34,24 @@ import jax_sparse_mla as jsm  # noqa: E402
 from bench_sm90 import (  # noqa: E402
     K, ROW_BYTES, SCALE, TorchFa3, decode_kwargs, index_sets, make_inputs)
 
-CALLS = 3
+NANOSECONDS = {"ns": 1.0, "nsecond": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}
+
+
+def summarize(csv_path: str) -> None:
+    """Median / min / max of gpu__time_duration.sum per kernel and grid in ncu --csv output."""
+    with open(csv_path) as f:
+        lines = f.read().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    times_us = collections.defaultdict(list)
+    for row in csv.DictReader(lines[header:]):
+        if row["Metric Name"] == "gpu__time_duration.sum":
+            value = float(row["Metric Value"].replace(",", ""))
+            kernel = row["Kernel Name"].removeprefix("void ")
+            kernel = kernel[:kernel.rfind("(")].replace("jax_sparse_mla::fp8::", "")  # no params
+            times_us[(kernel, row["Grid Size"])].append(value * NANOSECONDS[row["Metric Unit"]] / 1e3)
+    for (kernel, grid), times in times_us.items():
+        print(f"{kernel} grid {grid}: {len(times)} calls, median {statistics.median(times):.1f} us "
+              f"(min {min(times):.1f}, max {max(times):.1f})")
 
 
 def main() -> None:
@@ -37,7 +60,12 @@ def main() -> None:
                         help="TxH pairs")
     parser.add_argument("--kv-dtype", default="bf16", choices=list(ROW_BYTES))
     parser.add_argument("--no-torch", action="store_true", help="skip FlashInfer from torch")
+    parser.add_argument("--calls", type=int, default=3, help="calls per shape and implementation")
+    parser.add_argument("--summarize", metavar="CSV", help="summarize ncu --csv output and exit")
     args = parser.parse_args()
+    if args.summarize:
+        summarize(args.summarize)
+        return
     cache = make_inputs([args.kv_dtype])[args.kv_dtype]
     torch_fa3 = None if args.no_torch or args.kv_dtype == "fp8_ds_mla" else TorchFa3()
     kwargs = decode_kwargs(args.kv_dtype)
@@ -49,14 +77,14 @@ def main() -> None:
         decode = jax.jit(lambda q, cache, slots: jsm.sparse_mla_decode(
             q, cache.reshape(-1, 64, cache.shape[-1]), slots, scale=SCALE, implementation="native",
             **kwargs)[0])
-        for _ in range(CALLS):
+        for _ in range(args.calls):
             jax.block_until_ready(decode(q, cache, sets[0]))
         if torch_fa3 is not None:
-            run_torch = torch_fa3.runner(q, cache, sets[:1], args.kv_dtype, calls=CALLS)
+            run_torch = torch_fa3.runner(q, cache, sets[:1], args.kv_dtype, calls=args.calls)
             run_torch()
             torch_fa3.torch.cuda.synchronize()
-        print(f"T={num_tokens} H={num_heads} K={K} {args.kv_dtype}: {CALLS} native calls"
-              + (f", then {CALLS} torch calls" if torch_fa3 is not None else ""), flush=True)
+        print(f"T={num_tokens} H={num_heads} K={K} {args.kv_dtype}: {args.calls} native calls"
+              + (f", then {args.calls} torch calls" if torch_fa3 is not None else ""), flush=True)
 
 
 if __name__ == "__main__":
