@@ -93,7 +93,6 @@ struct TileConfig {
   // 592 = 576 + 16 bytes for e4m3 rows (656 already qualifies); Q rows of 576 bf16 + 8; partial
   // scores of 64 fp32 + 8 and P rows of 64 bf16 + 8.
   static constexpr int kRawStride = kDsMla ? 656 : 592;
-  static constexpr int kChunksPerRow = kRowBytes / 16;
   static constexpr int kQStride = kQkDim + 8;
   static constexpr int kPartialStride = kBlockN + 8;
   static constexpr int kPStride = kBlockN + 8;
