@@ -180,24 +180,23 @@ __device__ __forceinline__ void LoadMatrixX4Trans(uint32_t (&regs)[4], const voi
                : "r"(SmemAddress(row_address)));
 }
 
-// acc[16x8] += a[16x16] * b[16x8], bf16 inputs, fp32 accumulators.
-__device__ __forceinline__ void MmaBf16(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
-                                        uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
+enum class MmaInputs { kBf16, kF16 };
 
-// acc[16x8] += a[16x16] * b[16x8], f16 inputs, fp32 accumulators.
-__device__ __forceinline__ void MmaF16(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// acc[16x8] += a[16x16] * b[16x8] with fp32 accumulators; a and b hold bf16 or f16 pairs.
+template <MmaInputs kInputs>
+__device__ __forceinline__ void Mma(float (&acc)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+#define JSM_MMA_M16N8K16(TYPE)                                                                  \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE                           \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"         \
+               : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
+  if constexpr (kInputs == MmaInputs::kBf16) {
+    JSM_MMA_M16N8K16("bf16");
+  } else {
+    JSM_MMA_M16N8K16("f16");
+  }
+#undef JSM_MMA_M16N8K16
 }
 
 // The four e4m3 values of `fp8x4` as two f16 pairs (bytes 0 and 1, then 2 and 3), with one
@@ -495,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
           E4m3ToF16Pairs(k_frag[n][step], b0, b1);
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
-            MmaF16(score[r][n], q_frag[r][4 * half + step], b0, b1);
+            Mma<MmaInputs::kF16>(score[r][n], q_frag[r][4 * half + step], b0, b1);
           }
         }
       }
@@ -524,8 +523,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
         LoadMatrixX4(b, rope_lane + 16 * pair * kStride);
 #pragma unroll
         for (int r = 0; r < kRows; ++r) {
-          MmaBf16(score[r][2 * pair], q_frag[r][8], b[0], b[1]);
-          MmaBf16(score[r][2 * pair + 1], q_frag[r][8], b[2], b[3]);
+          Mma<MmaInputs::kBf16>(score[r][2 * pair], q_frag[r][8], b[0], b[1]);
+          Mma<MmaInputs::kBf16>(score[r][2 * pair + 1], q_frag[r][8], b[2], b[3]);
         }
       }
     } else {  // e4m3 RoPE dims: one 8-key matrix of 16 bytes per key tile
@@ -536,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
         uint32_t b0, b1;
         E4m3ToF16Pairs(b[n], b0, b1);
 #pragma unroll
-        for (int r = 0; r < kRows; ++r) MmaF16(score[r][n], q_frag[r][8], b0, b1);
+        for (int r = 0; r < kRows; ++r) Mma<MmaInputs::kF16>(score[r][n], q_frag[r][8], b0, b1);
       }
     }
     float* partial = smem.partial + dim_group * kHeads * Config::kPartialStride;
@@ -690,13 +689,9 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
           }
 #pragma unroll
           for (int r = 0; r < kRows; ++r) {
-            if constexpr (Config::kPvBf16) {
-              MmaBf16(acc[r][4 * pair + 2 * block], a[r], even0, even1);
-              MmaBf16(acc[r][4 * pair + 2 * block + 1], a[r], odd0, odd1);
-            } else {
-              MmaF16(acc[r][4 * pair + 2 * block], a[r], even0, even1);
-              MmaF16(acc[r][4 * pair + 2 * block + 1], a[r], odd0, odd1);
-            }
+            constexpr MmaInputs kPvInputs = Config::kPvBf16 ? MmaInputs::kBf16 : MmaInputs::kF16;
+            Mma<kPvInputs>(acc[r][4 * pair + 2 * block], a[r], even0, even1);
+            Mma<kPvInputs>(acc[r][4 * pair + 2 * block + 1], a[r], odd0, odd1);
           }
         }
       }
