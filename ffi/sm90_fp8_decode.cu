@@ -8,6 +8,7 @@
 #include <string>
 
 #include "sm90_fp8_kernel.cuh"
+#include "sm90_fp8_wide_kernel.cuh"
 #include "sm90_handlers.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -20,36 +21,54 @@ ffi::Error ArgumentError(const std::string& what) {
   return ffi::Error::InvalidArgument("sparse_mla sm90 fp8 decode: " + what);
 }
 
-// Raises the kernel's dynamic shared-memory limit once per device (the attribute belongs to the
-// device's context); a host-side call that stream capture allows.
-template <typename Config>
+// Raises `kKernel`'s dynamic shared-memory limit to kSmemBytes once per device (the attribute
+// belongs to the device's context); a host-side call that stream capture allows.
+template <auto kKernel, int kSmemBytes>
 cudaError_t RaiseSharedMemoryLimit() {
   static std::atomic<uint64_t> raised_on{0};  // bit d: done on device d (d < 64)
   int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
   const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
   if ((raised_on.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
-  const cudaError_t status = cudaFuncSetAttribute(
-      SparseMlaFp8DecodeKernel<Config>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-      Config::kSmemBytes);
+  const cudaError_t status =
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (status == cudaSuccess) raised_on.fetch_or(bit, std::memory_order_relaxed);
   return status;
 }
 
-template <typename Config>
-cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
-  if (cudaError_t status = RaiseSharedMemoryLimit<Config>(); status != cudaSuccess) return status;
-  // Head groups vary fastest: the CTAs of one token's splits gather the same rows close in time.
-  const dim3 grid((params.num_heads + Config::kHeads - 1) / Config::kHeads, params.num_splits,
+// One CTA of kThreadsPerCta threads per (group of kHeadsPerCta heads, split, token). Head groups
+// vary fastest: the CTAs of one token's splits gather the same rows close in time.
+template <auto kKernel, int kHeadsPerCta, int kThreadsPerCta, int kSmemBytes>
+cudaError_t Launch(const DecodeParams& params, cudaStream_t stream) {
+  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kSmemBytes>(); status != cudaSuccess) {
+    return status;
+  }
+  const dim3 grid((params.num_heads + kHeadsPerCta - 1) / kHeadsPerCta, params.num_splits,
                   params.num_tokens);
-  SparseMlaFp8DecodeKernel<Config><<<grid, kThreads, Config::kSmemBytes, stream>>>(params);
+  kKernel<<<grid, kThreadsPerCta, kSmemBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
-template <KvLayout kLayout>
-cudaError_t LaunchForHeads(int heads_per_cta, const DecodeParams& params, cudaStream_t stream) {
-  return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, kLayout>>(params, stream)
-                             : LaunchDecode<TileConfig<2, kLayout>>(params, stream);
+template <typename Config>
+cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
+  return Launch<SparseMlaFp8DecodeKernel<Config>, Config::kHeads, kThreads, Config::kSmemBytes>(
+      params, stream);
+}
+
+// Heads per CTA: 16 or 32 (the mma.sync kernel of sm90_fp8_kernel.cuh, both layouts) or 64 (e4m3
+// rows: the warpgroup-MMA kernel of sm90_fp8_wide_kernel.cuh).
+cudaError_t LaunchForHeads(bool ds_mla, int heads_per_cta, const DecodeParams& params,
+                           cudaStream_t stream) {
+  if (ds_mla) {
+    return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, KvLayout::kDsMla>>(params, stream)
+                               : LaunchDecode<TileConfig<2, KvLayout::kDsMla>>(params, stream);
+  }
+  if (heads_per_cta == 64) {
+    return Launch<wide::SparseMlaFp8WideDecodeKernel, wide::kHeads, wide::kThreads,
+                  sizeof(wide::Shared)>(params, stream);
+  }
+  return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, KvLayout::kE4m3>>(params, stream)
+                             : LaunchDecode<TileConfig<2, KvLayout::kE4m3>>(params, stream);
 }
 
 ffi::Error Sm90Fp8Decode(cudaStream_t stream,
@@ -85,8 +104,8 @@ ffi::Error Sm90Fp8Decode(cudaStream_t stream,
   if (valid_counts.dimensions().size() != 1 || valid_counts.dimensions()[0] != num_tokens) {
     return ArgumentError("valid_counts must be [T]");
   }
-  if (heads_per_cta != 16 && heads_per_cta != 32) {
-    return ArgumentError("heads_per_cta must be 16 or 32");
+  if (heads_per_cta != 16 && heads_per_cta != 32 && !(heads_per_cta == 64 && !ds_mla)) {
+    return ArgumentError("heads_per_cta must be 16 or 32 (or 64 for e4m3 rows)");
   }
   const int64_t num_keys = index_dims[1];
   if (num_splits < 1 || keys_per_split < 1 || keys_per_split > kMaxKeysPerSplit ||
@@ -126,8 +145,7 @@ ffi::Error Sm90Fp8Decode(cudaStream_t stream,
   params.out_scale = out_scale;
   params.lse_base_e = lse_base_e;
 
-  cudaError_t status = ds_mla ? LaunchForHeads<KvLayout::kDsMla>(heads_per_cta, params, stream)
-                              : LaunchForHeads<KvLayout::kE4m3>(heads_per_cta, params, stream);
+  cudaError_t status = LaunchForHeads(ds_mla, heads_per_cta, params, stream);
   if (status == cudaSuccess && num_splits > 1) {
     MergeSplitsKernel<<<static_cast<unsigned>(num_tokens * num_heads), kVDim / 4, 0, stream>>>(
         params);

@@ -1,0 +1,450 @@
+// Sparse MLA decode over a per-tensor e4m3 cache for SM90 with 64 heads per CTA and warpgroup MMAs,
+// for H > 32 (where the 32-head kernel of sm90_fp8_kernel.cuh would convert every row once per 32
+// heads and feed mma.sync from registers).
+//
+// One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
+// list:
+//   - warpgroup 2 (the producer) gathers each tile of 64 rows with 16-byte loads (issued while it
+//     converts the tile before), converts the e4m3 values to f16 (exact) and stores them into one of
+//     two shared-memory buffers as wgmma operands; rows of invalid slots become zeros and are marked
+//     invalid;
+//   - warpgroup 0 computes S = Q K^T (f16 wgmma, Q as f16 after a power-of-two row scale, as in the
+//     32-head kernel), the online softmax, P (f16, into shared memory) and O[:, 0:256] += P V;
+//   - warpgroup 1 computes O[:, 256:512] += P V from the same P, alongside warpgroup 0's half.
+// Shared-memory operands are unswizzled core matrices: 16-byte column c (8 f16 along the dims) of
+// row m (a head or a key) at c * kColumnBytes + m * 16. For S both operands are K-major; for P V the
+// key rows serve as V in MN-major order (8 dims contiguous per key).
+//
+// The epilogue follows the 32-head kernel: with one split out / lse directly, otherwise normalised
+// fp32 partials and base-2 lse for MergeSplits. A row with no valid slot: out 0, lse -inf.
+#pragma once
+
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <utility>
+
+#include "sm90_fp8_kernel.cuh"
+
+namespace jax_sparse_mla::fp8::wide {
+
+inline constexpr int kHeads = 64;
+inline constexpr int kWarpgroups = 3;
+inline constexpr int kThreads = 128 * kWarpgroups;
+inline constexpr int kBuffers = 2;
+inline constexpr int kColumnBytes = kBlockN * 16;  // one 16-byte column of 64 rows
+inline constexpr int kOperandBytes = kQkDim / 8 * kColumnBytes;  // f16 [64 x 576]
+inline constexpr int kChunks = kQkDim / 16;                      // 16-byte e4m3 chunks per row
+// Registers per thread after setmaxnreg (the launch gives 168 to each of the 384 threads).
+inline constexpr int kLaunchRegisters = 168;
+inline constexpr int kScoreRegisters = 208, kValueRegisters = 176, kProducerRegisters = 120;
+static_assert(kScoreRegisters + kValueRegisters + kProducerRegisters <= 3 * kLaunchRegisters);
+
+// Named barriers (0 is __syncthreads): P of a tile is ready / has been read by warpgroup 1; the
+// 128 threads of warpgroup 0; the 256 consumer threads.
+inline constexpr int kProbsReady = 1, kProbsRead = 2, kScoreGroup = 3, kConsumers = 4;
+
+struct Shared {
+  uint8_t q[kOperandBytes];                // Q f16 [64 heads x 576]
+  uint8_t keys[kBuffers][kOperandBytes];   // converted rows f16 [64 keys x 576]
+  uint8_t probs[kBlockN / 8 * kColumnBytes];  // P f16 [64 heads x 64 keys]
+  float rescale[kHeads];                   // factor on the running output before this tile's P V
+  float query_unscale[kHeads];             // 1 / Q's row scales
+  float inverse_sum[kHeads];               // 1 / l per row, for the epilogue
+  uint8_t valid[kBuffers][kBlockN];
+  uint64_t ready[kBuffers];                // producer -> consumers: a buffer holds its tile
+  uint64_t freed[kBuffers];                // consumers -> producer: both are done with a buffer
+};
+static_assert(sizeof(Shared) <= 227 * 1024);
+
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void ArriveBarrier(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddress(barrier))
+               : "memory");
+}
+// Threads' shared-memory stores, before wgmma (the async proxy) reads them.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Sets this warpgroup's registers per thread: setmaxnreg.inc may only raise the count the launch
+// gave, and .dec only lower it (either the wrong way is an illegal instruction).
+template <int kCount>
+__device__ __forceinline__ void SetRegisters() {
+  if constexpr (kCount > kLaunchRegisters) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  } else if constexpr (kCount < kLaunchRegisters) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount));
+  }
+}
+
+// Descriptor of an unswizzled wgmma operand at `start`: core matrices 16 bytes wide, 8 rows of 16
+// bytes each; `leading` and `stride` are the byte offsets of the next core matrix along the two
+// dimensions (K-major: along K, then along M/N; MN-major: along K, then along M/N as well, in the
+// canonical forms of CUTLASS's make_gmma_desc).
+__device__ __forceinline__ uint64_t Descriptor(const void* start, int leading, int stride) {
+  cute::GmmaDescriptor descriptor;
+  descriptor.desc_ = 0;
+  descriptor.bitfield.start_address_ = static_cast<uint16_t>(SmemAddress(start) >> 4);
+  descriptor.bitfield.leading_byte_offset_ = static_cast<uint16_t>(leading >> 4);
+  descriptor.bitfield.stride_byte_offset_ = static_cast<uint16_t>(stride >> 4);
+  return descriptor.desc_;
+}
+
+// K-major operand of 64 rows at its first k-step; k-step s adds s * kKMajorStep.
+__device__ __forceinline__ uint64_t KMajor(const uint8_t* operand) {
+  return Descriptor(operand, kColumnBytes, 128);
+}
+
+// V of the tile's first 16 keys, dims first_dim + [0, 256), MN-major over the key rows: the next 8
+// keys are 128 bytes on, the next 8 dims one column on. Keys 16 s + [0, 16): add s * kValueStep.
+__device__ __forceinline__ uint64_t ValueOperand(const uint8_t* keys, int first_dim) {
+  return Descriptor(keys + first_dim / 8 * kColumnBytes, 128, kColumnBytes);
+}
+
+// A descriptor moves on by adding to its start address (bits 0-13, in 16-byte units): shared
+// addresses stay below 2^18 bytes, so the sum never carries out of the field.
+inline constexpr uint64_t kKMajorStep = 2 * kColumnBytes / 16;  // 16 f16 along K: two columns
+inline constexpr uint64_t kValueStep = 2 * 128 / 16;            // 16 keys: two core matrices
+
+template <typename Op, int kRegs, size_t... kI>
+__device__ __forceinline__ void RunMma(uint64_t a, uint64_t b, float (&d)[kRegs], bool accumulate,
+                                       std::index_sequence<kI...>) {
+  Op::fma(a, b, d[kI]...,
+          accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+using ScoresMma = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
+                                                              cute::SM90::GMMA::Major::K>;
+using ValuesMma = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
+                                                               cute::SM90::GMMA::Major::MN>;
+
+template <int kRegs>
+__device__ __forceinline__ void FenceAccumulators(float (&d)[kRegs]) {
+#pragma unroll
+  for (int i = 0; i < kRegs; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// Accumulator element i of a thread (warp w of its warpgroup, lane l): row 16 w + l / 4 +
+// 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
+__device__ __forceinline__ int AccumulatorRow(int thread, int i) {
+  return 16 * (thread / 32) + (thread % 32) / 4 + 8 * ((i / 2) % 2);
+}
+
+// The CTA's Q rows as f16 wgmma operands, each scaled by the power of two that puts its largest |q|
+// in [2^14, 2^15) (as ScaleQueryRows does); 1 / that scale per row into `query_unscale`. Rows past
+// num_heads are zero. Run by the 256 consumer threads.
+__device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, int token,
+                                          int head_begin, int thread, float* query_unscale) {
+  // Four threads per row find its largest |q|.
+  const int row = thread / 4, part = thread % 4;
+  const int head = head_begin + row;
+  const __nv_bfloat16* q_row = p.q + (int64_t{token} * p.num_heads + head) * kQkDim;
+  float largest = 0.0f;
+  if (head < p.num_heads) {
+    for (int d = part * 8; d < kQkDim; d += 32) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(q_row + d);
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 values = __bfloat1622float2(pairs[i]);
+        largest = fmaxf(largest, fmaxf(fabsf(values.x), fabsf(values.y)));
+      }
+    }
+  }
+  largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
+  largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+  const int exponent = largest > 0.0f ? ilogbf(largest) : 14;
+  const float scale = ldexpf(1.0f, 14 - max(exponent, -110));
+  if (part == 0) query_unscale[row] = 1.0f / scale;
+  // The same four threads write the row's 72 columns.
+  for (int column = part; column < kQkDim / 8; column += 4) {
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (head < p.num_heads) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(q_row + column * 8);
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+      uint32_t* out = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 values = __bfloat1622float2(pairs[i]);
+        out[i] = PackF16(values.x * scale, values.y * scale);
+      }
+    }
+    *reinterpret_cast<uint4*>(smem.q + column * kColumnBytes + row * 16) = packed;
+  }
+}
+
+// Warpgroup 2: every tile of the split into buffer tile % 2, once both consumers freed it. Lane l
+// of warp w takes row 16 w + l % 16 and the 16-byte chunks of parity l / 16: a warp reads 32
+// contiguous bytes per row, and each quarter warp stores 8 rows' 16 bytes of one column, 128
+// contiguous bytes (no bank conflicts). The loads of the next tile are issued chunk by chunk as
+// the chunks of this tile are converted, and its slots one tile earlier, so that their latency
+// overlaps the conversion and the wait for a free buffer.
+__device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p, int token,
+                                             int key_begin, int key_end, int num_tiles,
+                                             int thread) {
+  const int row = 16 * (thread / 32) + thread % 16, parity = thread % 32 / 16;
+  const int32_t* token_indices = p.indices + int64_t{token} * p.num_keys;
+  const auto slot_of = [&](int tile) {
+    const int position = key_begin + tile * kBlockN + row;
+    return position < key_end ? token_indices[position] : -1;
+  };
+  const auto is_valid = [&](int32_t slot) { return slot >= 0 && slot < p.num_slots; };
+  const auto chunks_of = [&](int32_t slot) {
+    return reinterpret_cast<const uint4*>(p.kv + int64_t{is_valid(slot) ? slot : 0} * kQkDim) +
+           parity;
+  };
+  int32_t slot = slot_of(0), next_slot = slot_of(1);
+  // Chunks 2 i + parity of this thread's row; loaded only for valid slots, and the loads go
+  // straight into these registers (a select here would wait for them).
+  uint4 raw[kChunks / 2] = {};
+  if (is_valid(slot)) {
+    const uint4* chunks = chunks_of(slot);
+#pragma unroll
+    for (int i = 0; i < kChunks / 2; ++i) raw[i] = __ldg(chunks + 2 * i);
+  }
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int buffer = tile % kBuffers;
+    const int32_t slot_after_next = slot_of(tile + 2);
+    const bool valid = is_valid(slot), next_valid = is_valid(next_slot);
+    const uint4* next_chunks = chunks_of(next_slot);
+    if (tile >= kBuffers) WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
+    if (parity == 0) smem.valid[buffer][row] = valid;
+    uint8_t* keys = smem.keys[buffer];
+#pragma unroll
+    for (int i = 0; i < kChunks / 2; ++i) {
+      const int chunk = 2 * i + parity;  // dims 16 chunk + [0, 16): columns 2 chunk, 2 chunk + 1
+      const uint4 bytes = valid ? raw[i] : make_uint4(0, 0, 0, 0);  // invalid rows: zeros
+      uint4 low, high;
+      E4m3ToF16Pairs(bytes.x, low.x, low.y);
+      E4m3ToF16Pairs(bytes.y, low.z, low.w);
+      E4m3ToF16Pairs(bytes.z, high.x, high.y);
+      E4m3ToF16Pairs(bytes.w, high.z, high.w);
+      *reinterpret_cast<uint4*>(keys + (2 * chunk) * kColumnBytes + row * 16) = low;
+      *reinterpret_cast<uint4*>(keys + (2 * chunk + 1) * kColumnBytes + row * 16) = high;
+      if (next_valid) raw[i] = __ldg(next_chunks + 2 * i);
+    }
+    FenceProxyAsync();
+    ArriveBarrier(smem.ready + buffer);
+    slot = next_slot;
+    next_slot = slot_after_next;
+  }
+}
+
+// The epilogue of one consumer warpgroup: its 256 columns, element i of `out` at column
+// 256 warpgroup + 8 (i / 4) + 2 (l % 4) + i % 2 of rows row0 (i % 4 < 2) and row1.
+__device__ __forceinline__ void WriteOutput(const float (&out)[128], const DecodeParams& p,
+                                            const float* inverse_sum, int token, int split,
+                                            int head_begin, int warpgroup, int row0, int row1,
+                                            int column_in_block) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = r == 0 ? row0 : row1;
+    const int head = head_begin + row;
+    if (head >= p.num_heads) continue;
+    const int64_t row_index = int64_t{token} * p.num_heads + head;
+    const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
+    const float scale = inverse_sum[row] * (p.num_splits == 1 ? p.out_scale : 1.0f);
+#pragma unroll
+    for (int block = 0; block < 32; ++block) {
+      const float value0 = out[4 * block + 2 * r] * scale;
+      const float value1 = out[4 * block + 2 * r + 1] * scale;
+      const int column = 256 * warpgroup + 8 * block + column_in_block;
+      if (p.num_splits == 1) {
+        *reinterpret_cast<uint32_t*>(p.out + row_index * kVDim + column) = PackBf16(value0, value1);
+      } else {
+        *reinterpret_cast<float2*>(p.partial_out + partial_row * kVDim + column) =
+            make_float2(value0, value1);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(const DecodeParams p) {
+  extern __shared__ __align__(128) uint8_t shared_bytes[];
+  Shared& smem = *reinterpret_cast<Shared*>(shared_bytes);
+  const int head_begin = blockIdx.x * kHeads;
+  const int split = blockIdx.y;
+  const int token = blockIdx.z;
+  const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
+  const int lane = thread % 32;
+
+  const int valid_count = min(max(p.valid_counts[token], 0), p.num_keys);
+  const int key_begin = split * p.keys_per_split;
+  const int key_end = min(key_begin + p.keys_per_split, valid_count);
+  const int num_tiles = key_end > key_begin ? (key_end - key_begin + kBlockN - 1) / kBlockN : 0;
+
+  if (threadIdx.x < kBuffers) {
+    InitBarrier(smem.ready + threadIdx.x, 128);
+    InitBarrier(smem.freed + threadIdx.x, 2);
+  }
+  __syncthreads();
+
+  if (warpgroup == 2) {
+    SetRegisters<kProducerRegisters>();
+    ProduceTiles(smem, p, token, key_begin, key_end, num_tiles, thread);
+    return;
+  }
+  float* query_unscale = smem.query_unscale;
+  float* inverse_sum = smem.inverse_sum;
+  // Rows of this thread's accumulators: 16 w + l / 4 and 8 more.
+  const int row0 = AccumulatorRow(thread, 0), row1 = AccumulatorRow(thread, 2);
+  const int column_in_block = 2 * (lane % 4);
+  // Each consumer warpgroup runs its own code to the end: ptxas allocates the registers that
+  // setmaxnreg grants only to code that no other register count reaches.
+  if (warpgroup == 0) {
+    SetRegisters<kScoreRegisters>();
+    LoadQuery(smem, p, token, head_begin, threadIdx.x, query_unscale);
+    FenceProxyAsync();
+    NamedBarrierSync(kConsumers, 256);
+    float out[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) out[i] = 0.0f;
+    const float score_scale0 = p.score_scale_log2 * query_unscale[row0];
+    const float score_scale1 = p.score_scale_log2 * query_unscale[row1];
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; reduced over the quad at the end
+    const uint64_t query_operand = KMajor(smem.q), probs_operand = KMajor(smem.probs);
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int buffer = tile % kBuffers;
+      const uint64_t keys_operand = KMajor(smem.keys[buffer]);
+      const uint64_t values_operand = ValueOperand(smem.keys[buffer], 0);
+      WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
+      float score[32];
+      FenceAccumulators(score);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int step = 0; step < kQkDim / 16; ++step) {
+        RunMma<ScoresMma>(query_operand + step * kKMajorStep, keys_operand + step * kKMajorStep,
+                          score, step > 0, std::make_index_sequence<32>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      FenceAccumulators(score);
+
+      // Online softmax (base 2) over the tile's 64 keys of rows row0 (i % 4 < 2) and row1.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int key = 8 * (i / 4) + column_in_block + i % 2;
+        const int r = (i / 2) % 2;
+        score[i] = smem.valid[buffer][key] ? score[i] * (r == 0 ? score_scale0 : score_scale1)
+                                           : -INFINITY;
+        tile_max[r] = fmaxf(tile_max[r], score[i]);
+      }
+      float rescale[2], base[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(row_max[r], tile_max[r]);
+        // While a row has seen only invalid keys its max is -inf: subtract 0 (exp2 -> 0).
+        base[r] = new_max == -INFINITY ? 0.0f : new_max;
+        rescale[r] = Exp2(row_max[r] - base[r]);
+        row_max[r] = new_max;
+        row_sum[r] *= rescale[r];
+      }
+      uint32_t probs[16];
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int r = (i / 2) % 2;
+        const float p0 = Exp2(score[i] - base[r]), p1 = Exp2(score[i + 1] - base[r]);
+        row_sum[r] += p0 + p1;
+        probs[i / 2] = PackF16(p0, p1);
+      }
+      // P and the rescale factors of the previous tile must have been read by warpgroup 1.
+      if (tile > 0) NamedBarrierSync(kProbsRead, 256);
+#pragma unroll
+      for (int i = 0; i < 32; i += 2) {
+        const int key = 8 * (i / 4) + column_in_block;
+        const int row = (i / 2) % 2 == 0 ? row0 : row1;
+        *reinterpret_cast<uint32_t*>(smem.probs + key / 8 * kColumnBytes + row * 16 +
+                                     (key % 8) * 2) = probs[i / 2];
+      }
+      if (lane % 4 == 0) {
+        smem.rescale[row0] = rescale[0];
+        smem.rescale[row1] = rescale[1];
+      }
+      FenceProxyAsync();
+      NamedBarrierSync(kScoreGroup, 128);  // all of P is written before this warpgroup's MMAs
+      NamedBarrierArrive(kProbsReady, 256);
+#pragma unroll
+      for (int i = 0; i < 128; ++i) out[i] *= rescale[(i / 2) % 2];
+      FenceAccumulators(out);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int step = 0; step < kBlockN / 16; ++step) {
+        RunMma<ValuesMma>(probs_operand + step * kKMajorStep, values_operand + step * kValueStep,
+                          out, true, std::make_index_sequence<128>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      FenceAccumulators(out);
+      if (thread == 0) ArriveBarrier(smem.freed + buffer);
+    }
+    // l and lse per row; 1 / l for both warpgroups.
+    constexpr float kLn2 = 0.6931471805599453f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+      row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+      const int row = r == 0 ? row0 : row1;
+      const bool empty = row_sum[r] == 0.0f;  // a NaN row (NaN or infinite q) stays NaN
+      if (lane % 4 == 0) {
+        inverse_sum[row] = empty ? 0.0f : 1.0f / row_sum[r];
+        const int head = head_begin + row;
+        if (head < p.num_heads) {
+          const float lse_log2 = empty ? -INFINITY : row_max[r] + log2f(row_sum[r]);
+          const int64_t row_index = int64_t{token} * p.num_heads + head;
+          if (p.num_splits == 1) {
+            p.lse[row_index] = p.lse_base_e ? lse_log2 * kLn2 : lse_log2;
+          } else {
+            p.partial_lse[int64_t{split} * p.num_tokens * p.num_heads + row_index] = lse_log2;
+          }
+        }
+      }
+    }
+    NamedBarrierSync(kConsumers, 256);
+    WriteOutput(out, p, inverse_sum, token, split, head_begin, 0, row0, row1, column_in_block);
+  } else {
+    SetRegisters<kValueRegisters>();
+    LoadQuery(smem, p, token, head_begin, threadIdx.x, query_unscale);
+    FenceProxyAsync();
+    NamedBarrierSync(kConsumers, 256);
+    float out[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) out[i] = 0.0f;
+    const uint64_t probs_operand = KMajor(smem.probs);
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int buffer = tile % kBuffers;
+      const uint64_t values_operand = ValueOperand(smem.keys[buffer], 256);
+      NamedBarrierSync(kProbsReady, 256);
+      // Already complete (warpgroup 0 waited before its scores): orders the producer's stores
+      // before this warpgroup's MMAs directly.
+      WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
+      const float rescale0 = smem.rescale[row0], rescale1 = smem.rescale[row1];
+#pragma unroll
+      for (int i = 0; i < 128; ++i) out[i] *= (i / 2) % 2 == 0 ? rescale0 : rescale1;
+      FenceAccumulators(out);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int step = 0; step < kBlockN / 16; ++step) {
+        RunMma<ValuesMma>(probs_operand + step * kKMajorStep, values_operand + step * kValueStep,
+                          out, true, std::make_index_sequence<128>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      FenceAccumulators(out);
+      if (tile + 1 < num_tiles) NamedBarrierArrive(kProbsRead, 256);
+      if (thread == 0) ArriveBarrier(smem.freed + buffer);
+    }
+    NamedBarrierSync(kConsumers, 256);  // inverse_sum is written
+    WriteOutput(out, p, inverse_sum, token, split, head_begin, 1, row0, row1, column_in_block);
+  }
+}
+
+}  // namespace jax_sparse_mla::fp8::wide
