@@ -129,6 +129,24 @@ __device__ __forceinline__ void FenceAccumulators(float (&d)[kRegs]) {
   for (int i = 0; i < kRegs; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 
+// out = out * rescale + P V over one tile for one warpgroup's 256 value dims (`values_operand`),
+// waiting for the MMAs; rescale0 applies to the thread's rows row0 (i % 4 < 2), rescale1 to row1.
+__device__ __forceinline__ void AccumulateValues(float (&out)[128], float rescale0, float rescale1,
+                                                 uint64_t probs_operand, uint64_t values_operand) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) out[i] *= (i / 2) % 2 == 0 ? rescale0 : rescale1;
+  FenceAccumulators(out);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int step = 0; step < kBlockN / 16; ++step) {
+    RunMma<ValuesMma>(probs_operand + step * kKMajorStep, values_operand + step * kValueStep, out,
+                      true, std::make_index_sequence<128>{});
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+  FenceAccumulators(out);
+}
+
 // Accumulator element i of a thread (warp w of its warpgroup, lane l): row 16 w + l / 4 +
 // 8 ((i / 2) % 2), column 8 (i / 4) + 2 (l % 4) + i % 2.
 __device__ __forceinline__ int AccumulatorRow(int thread, int i) {
@@ -137,7 +155,7 @@ __device__ __forceinline__ int AccumulatorRow(int thread, int i) {
 
 // The CTA's Q rows as f16 wgmma operands, each scaled by the power of two that puts its largest |q|
 // in [2^14, 2^15) (as ScaleQueryRows does); 1 / that scale per row into `query_unscale`. Rows past
-// num_heads are zero. Run by the 256 consumer threads.
+// num_heads are zero. Run by the 256 consumer threads; returns once all of them have written Q.
 __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, int token,
                                           int head_begin, int thread, float* query_unscale) {
   // Four threads per row find its largest |q|.
@@ -176,6 +194,8 @@ __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, i
     }
     *reinterpret_cast<uint4*>(smem.q + column * kColumnBytes + row * 16) = packed;
   }
+  FenceProxyAsync();
+  NamedBarrierSync(kConsumers, 256);  // all of Q is written
 }
 
 // Warpgroup 2: every tile of the split into buffer tile % 2, once both consumers freed it. Lane l
@@ -299,11 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   if (warpgroup == 0) {
     SetRegisters<kScoreRegisters>();
     LoadQuery(smem, p, token, head_begin, threadIdx.x, query_unscale);
-    FenceProxyAsync();
-    NamedBarrierSync(kConsumers, 256);
-    float out[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) out[i] = 0.0f;
+    float out[128] = {};
     const float score_scale0 = p.score_scale_log2 * query_unscale[row0];
     const float score_scale1 = p.score_scale_log2 * query_unscale[row1];
     float row_max[2] = {-INFINITY, -INFINITY};
@@ -372,18 +388,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       FenceProxyAsync();
       NamedBarrierSync(kScoreGroup, 128);  // all of P is written before this warpgroup's MMAs
       NamedBarrierArrive(kProbsReady, 256);
-#pragma unroll
-      for (int i = 0; i < 128; ++i) out[i] *= rescale[(i / 2) % 2];
-      FenceAccumulators(out);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int step = 0; step < kBlockN / 16; ++step) {
-        RunMma<ValuesMma>(probs_operand + step * kKMajorStep, values_operand + step * kValueStep,
-                          out, true, std::make_index_sequence<128>{});
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      FenceAccumulators(out);
+      AccumulateValues(out, rescale[0], rescale[1], probs_operand, values_operand);
       if (thread == 0) ArriveBarrier(smem.freed + buffer);
     }
     // l and lse per row; 1 / l for both warpgroups.
@@ -413,11 +418,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   } else {
     SetRegisters<kValueRegisters>();
     LoadQuery(smem, p, token, head_begin, threadIdx.x, query_unscale);
-    FenceProxyAsync();
-    NamedBarrierSync(kConsumers, 256);
-    float out[128];
-#pragma unroll
-    for (int i = 0; i < 128; ++i) out[i] = 0.0f;
+    float out[128] = {};
     const uint64_t probs_operand = KMajor(smem.probs);
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int buffer = tile % kBuffers;
@@ -426,19 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       // Already complete (warpgroup 0 waited before its scores): orders the producer's stores
       // before this warpgroup's MMAs directly.
       WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
-      const float rescale0 = smem.rescale[row0], rescale1 = smem.rescale[row1];
-#pragma unroll
-      for (int i = 0; i < 128; ++i) out[i] *= (i / 2) % 2 == 0 ? rescale0 : rescale1;
-      FenceAccumulators(out);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int step = 0; step < kBlockN / 16; ++step) {
-        RunMma<ValuesMma>(probs_operand + step * kKMajorStep, values_operand + step * kValueStep,
-                          out, true, std::make_index_sequence<128>{});
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      FenceAccumulators(out);
+      AccumulateValues(out, smem.rescale[row0], smem.rescale[row1], probs_operand, values_operand);
       if (tile + 1 < num_tiles) NamedBarrierArrive(kProbsRead, 256);
       if (thread == 0) ArriveBarrier(smem.freed + buffer);
     }
