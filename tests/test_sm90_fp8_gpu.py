@@ -149,7 +149,8 @@ def test_short_counts_leave_splits_empty(layout):
 
 
 @pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
-def test_holes_see_nothing_left_by_other_ctas(layout):
+@pytest.mark.parametrize("num_heads", [16, 128])  # e4m3 at 128 heads: the 64-head kernel
+def test_holes_see_nothing_left_by_other_ctas(layout, num_heads):
     """A random half of the tokens select only NaN rows, the others clean rows with half their
     slots -1. A CTA's shared memory starts with what earlier CTAs on its SM left (2048 CTAs share
     the SMs, and K = 128 uses each stage row once), so the rows behind the holes can hold NaN
@@ -164,7 +165,7 @@ def test_holes_see_nothing_left_by_other_ctas(layout):
     # Random, not alternating: CTAs reach an SM in launch order, and 132 SMs would pair equal parities.
     nan_tokens = rng.random(num_tokens) < 0.5
     indices[nan_tokens] = rng.choice(poisoned, size=(nan_tokens.sum(), num_keys))
-    q = jnp.asarray(rng.standard_normal((num_tokens, 16, 576), np.float32), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_heads, 576), np.float32), jnp.bfloat16)
     native = run(q, cache, jnp.asarray(indices), "native", **kwargs)
     reference = run(q, cache, jnp.asarray(indices), "xla", **kwargs)
     clean_tokens = ~nan_tokens
@@ -203,10 +204,11 @@ def test_e4m3_subnormals_are_exact():
     assert_matches(native, reference, out_rtol=1e-2)
 
 
-def test_fp8_query():
+@pytest.mark.parametrize("num_heads", [32, 64])
+def test_fp8_query(num_heads):
     cache, kwargs = cache_and_kwargs("fp8")
     rng = np.random.default_rng(3)
-    q = jnp.asarray((rng.standard_normal((16, 32, 576)) * 4).astype(ml_dtypes.float8_e4m3fn))
+    q = jnp.asarray((rng.standard_normal((16, num_heads, 576)) * 4).astype(ml_dtypes.float8_e4m3fn))
     indices = jnp.asarray(indices_for(rng, 16, 512))
     kwargs.update(q_scale=0.25, lse_base="2")
     assert_matches(run(q, cache, indices, "native", **kwargs), run(q, cache, indices, "xla", **kwargs),
@@ -215,12 +217,13 @@ def test_fp8_query():
 
 @pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
 @pytest.mark.parametrize("num_keys", [128, 2048])  # one split; many splits and the merge
-def test_non_finite_query_rows(layout, num_keys):
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_non_finite_query_rows(layout, num_keys, num_heads):
     """NaN and inf query values make exactly their rows non-finite, as in the pure-JAX op (never an
     empty row's out 0 / lse -inf); a row that selects nothing stays empty whatever its query."""
     cache, kwargs = cache_and_kwargs(layout)
     rng = np.random.default_rng(5)
-    q = rng.standard_normal((3, 16, 576), np.float32)
+    q = rng.standard_normal((3, num_heads, 576), np.float32)
     q[0, 3, 100] = np.nan
     q[2, 7, 200] = np.inf
     q[1, 5, 50] = np.nan  # token 1 selects nothing (make_indices)
@@ -228,7 +231,7 @@ def test_non_finite_query_rows(layout, num_keys):
     indices = jnp.asarray(indices_for(rng, 3, num_keys))
     native = run(q, cache, indices, "native", **kwargs)
     reference = run(q, cache, indices, "xla", **kwargs)
-    bad = np.zeros((3, 16), bool)
+    bad = np.zeros((3, num_heads), bool)
     bad[0, 3] = bad[2, 7] = True
     for out, lse in (native, reference):
         out, lse = np.asarray(out, np.float32), np.asarray(lse)
