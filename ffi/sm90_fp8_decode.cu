@@ -55,20 +55,16 @@ cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
       params, stream);
 }
 
-// Heads per CTA: 16 or 32 (the mma.sync kernel of sm90_fp8_kernel.cuh, both layouts) or 64 (e4m3
-// rows: the warpgroup-MMA kernel of sm90_fp8_wide_kernel.cuh).
-cudaError_t LaunchForHeads(bool ds_mla, int heads_per_cta, const DecodeParams& params,
-                           cudaStream_t stream) {
-  if (ds_mla) {
-    return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, KvLayout::kDsMla>>(params, stream)
-                               : LaunchDecode<TileConfig<2, KvLayout::kDsMla>>(params, stream);
-  }
+// Heads per CTA: 16 or 32 (the mma.sync kernel of sm90_fp8_kernel.cuh) or 64 (the warpgroup-MMA
+// kernel of sm90_fp8_wide_kernel.cuh).
+template <KvLayout kLayout>
+cudaError_t LaunchForHeads(int heads_per_cta, const DecodeParams& params, cudaStream_t stream) {
   if (heads_per_cta == 64) {
-    return Launch<wide::SparseMlaFp8WideDecodeKernel, wide::kHeads, wide::kThreads,
+    return Launch<wide::SparseMlaFp8WideDecodeKernel<kLayout>, wide::kHeads, wide::kThreads,
                   sizeof(wide::Shared)>(params, stream);
   }
-  return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, KvLayout::kE4m3>>(params, stream)
-                             : LaunchDecode<TileConfig<2, KvLayout::kE4m3>>(params, stream);
+  return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, kLayout>>(params, stream)
+                             : LaunchDecode<TileConfig<2, kLayout>>(params, stream);
 }
 
 ffi::Error Sm90Fp8Decode(cudaStream_t stream,
@@ -104,8 +100,8 @@ ffi::Error Sm90Fp8Decode(cudaStream_t stream,
   if (valid_counts.dimensions().size() != 1 || valid_counts.dimensions()[0] != num_tokens) {
     return ArgumentError("valid_counts must be [T]");
   }
-  if (heads_per_cta != 16 && heads_per_cta != 32 && !(heads_per_cta == 64 && !ds_mla)) {
-    return ArgumentError("heads_per_cta must be 16 or 32 (or 64 for e4m3 rows)");
+  if (heads_per_cta != 16 && heads_per_cta != 32 && heads_per_cta != 64) {
+    return ArgumentError("heads_per_cta must be 16, 32 or 64");
   }
   const int64_t num_keys = index_dims[1];
   if (num_splits < 1 || keys_per_split < 1 || keys_per_split > kMaxKeysPerSplit ||
@@ -145,7 +141,8 @@ ffi::Error Sm90Fp8Decode(cudaStream_t stream,
   params.out_scale = out_scale;
   params.lse_base_e = lse_base_e;
 
-  cudaError_t status = LaunchForHeads(ds_mla, heads_per_cta, params, stream);
+  cudaError_t status = ds_mla ? LaunchForHeads<KvLayout::kDsMla>(heads_per_cta, params, stream)
+                              : LaunchForHeads<KvLayout::kE4m3>(heads_per_cta, params, stream);
   if (status == cudaSuccess && num_splits > 1) {
     MergeSplitsKernel<<<static_cast<unsigned>(num_tokens * num_heads), kVDim / 4, 0, stream>>>(
         params);

@@ -1,15 +1,17 @@
-// Sparse MLA decode over a per-tensor e4m3 cache for SM90 with 64 heads per CTA and warpgroup MMAs,
-// for H > 32 (where the 32-head kernel of sm90_fp8_kernel.cuh would convert every row once per 32
-// heads and feed mma.sync from registers).
+// Sparse MLA decode over an fp8 cache (per-tensor e4m3 or fp8_ds_mla rows) for SM90 with 64 heads per
+// CTA and warpgroup MMAs, for H > 32 (where the 32-head kernel of sm90_fp8_kernel.cuh would convert
+// every row once per 32 heads and feed mma.sync from registers).
 //
 // One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
 // list:
 //   - warpgroup 2 (the producer) gathers each tile of 64 rows with 16-byte loads (issued while it
-//     converts the tile before), converts the e4m3 values to f16 (exact) and stores them into one of
-//     two shared-memory buffers as wgmma operands; rows of invalid slots become zeros and are marked
-//     invalid;
-//   - warpgroup 0 computes S = Q K^T (f16 wgmma, Q as f16 after a power-of-two row scale, as in the
-//     32-head kernel), the online softmax, P (f16, into shared memory) and O[:, 0:256] += P V;
+//     converts the tile before), converts them and stores them into one of two shared-memory
+//     buffers as wgmma operands: e4m3 values to f16 (exact); fp8_ds_mla values times their tile
+//     scale to bf16 (rounded once, as FlashMLA dequantises) beside the bf16 RoPE dims as they are.
+//     Rows of invalid slots become zeros and are marked invalid;
+//   - warpgroup 0 computes S = Q K^T (e4m3: f16 wgmma with Q as f16 after a power-of-two row scale,
+//     as in the 32-head kernel; fp8_ds_mla: bf16 wgmma with Q as it is), the online softmax, P (f16
+//     or bf16, into shared memory) and O[:, 0:256] += P V;
 //   - warpgroup 1 computes O[:, 256:512] += P V from the same P, alongside warpgroup 0's half.
 // Shared-memory operands are unswizzled core matrices: 16-byte column c (8 f16 along the dims) of
 // row m (a head or a key) at c * kColumnBytes + m * 16. For S both operands are K-major; for P V the
@@ -21,6 +23,7 @@
 
 #include <cute/arch/mma_sm90_desc.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <type_traits>
 #include <utility>
 
 #include "sm90_fp8_kernel.cuh"
@@ -33,10 +36,9 @@ inline constexpr int kThreads = 128 * kWarpgroups;
 inline constexpr int kBuffers = 2;
 inline constexpr int kColumnBytes = kBlockN * 16;  // one 16-byte column of 64 rows
 inline constexpr int kOperandBytes = kQkDim / 8 * kColumnBytes;  // f16 [64 x 576]
-inline constexpr int kChunks = kQkDim / 16;                      // 16-byte e4m3 chunks per row
 // Registers per thread after setmaxnreg (the launch gives 168 to each of the 384 threads).
 inline constexpr int kLaunchRegisters = 168;
-inline constexpr int kScoreRegisters = 208, kValueRegisters = 176, kProducerRegisters = 120;
+inline constexpr int kScoreRegisters = 208, kValueRegisters = 168, kProducerRegisters = 128;
 static_assert(kScoreRegisters + kValueRegisters + kProducerRegisters <= 3 * kLaunchRegisters);
 
 // Named barriers (0 is __syncthreads): P of a tile is ready / has been read by warpgroup 1; the
@@ -118,10 +120,28 @@ __device__ __forceinline__ void RunMma(uint64_t a, uint64_t b, float (&d)[kRegs]
           accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-using ScoresMma = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
-                                                              cute::SM90::GMMA::Major::K>;
-using ValuesMma = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
-                                                               cute::SM90::GMMA::Major::MN>;
+// Operand types per cache layout: e4m3 rows convert exactly to f16, and Q meets them as f16 after
+// a power-of-two row scale; fp8_ds_mla rows are dequantised to bf16 (value times tile scale,
+// rounded once) next to their bf16 RoPE dims, and Q stays bf16. P takes the operands' type.
+template <KvLayout kLayout>
+struct Operands {
+  static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
+  using ScoresMma = std::conditional_t<
+      kDsMla,
+      cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                    cute::SM90::GMMA::Major::K>,
+      cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
+                                                  cute::SM90::GMMA::Major::K>>;
+  using ValuesMma = std::conditional_t<
+      kDsMla,
+      cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
+                                                     cute::SM90::GMMA::Major::MN>,
+      cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
+                                                   cute::SM90::GMMA::Major::MN>>;
+  __device__ static uint32_t Pack(float low, float high) {
+    return kDsMla ? PackBf16(low, high) : PackF16(low, high);
+  }
+};
 
 template <int kRegs>
 __device__ __forceinline__ void FenceAccumulators(float (&d)[kRegs]) {
@@ -131,6 +151,7 @@ __device__ __forceinline__ void FenceAccumulators(float (&d)[kRegs]) {
 
 // out = out * rescale + P V over one tile for one warpgroup's 256 value dims (`values_operand`),
 // waiting for the MMAs; rescale0 applies to the thread's rows row0 (i % 4 < 2), rescale1 to row1.
+template <typename ValuesMma>
 __device__ __forceinline__ void AccumulateValues(float (&out)[128], float rescale0, float rescale1,
                                                  uint64_t probs_operand, uint64_t values_operand) {
 #pragma unroll
@@ -153,17 +174,20 @@ __device__ __forceinline__ int AccumulatorRow(int thread, int i) {
   return 16 * (thread / 32) + (thread % 32) / 4 + 8 * ((i / 2) % 2);
 }
 
-// The CTA's Q rows as f16 wgmma operands, each scaled by the power of two that puts its largest |q|
-// in [2^14, 2^15) (as ScaleQueryRows does); 1 / that scale per row into `query_unscale`. Rows past
-// num_heads are zero. Run by the 256 consumer threads; returns once all of them have written Q.
+// The CTA's Q rows as wgmma operands: for e4m3 rows as f16, each scaled by the power of two that
+// puts its largest |q| in [2^14, 2^15) (as ScaleQueryRows does), with 1 / that scale per row into
+// `query_unscale`; for fp8_ds_mla rows as they are (bf16, unscale 1). Rows past num_heads are zero.
+// Run by the 256 consumer threads; returns once all of them have written Q.
+template <KvLayout kLayout>
 __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, int token,
                                           int head_begin, int thread, float* query_unscale) {
+  constexpr bool kScaled = kLayout == KvLayout::kE4m3;
   // Four threads per row find its largest |q|.
   const int row = thread / 4, part = thread % 4;
   const int head = head_begin + row;
   const __nv_bfloat16* q_row = p.q + (int64_t{token} * p.num_heads + head) * kQkDim;
   float largest = 0.0f;
-  if (head < p.num_heads) {
+  if (kScaled && head < p.num_heads) {
     for (int d = part * 8; d < kQkDim; d += 32) {
       const uint4 raw = *reinterpret_cast<const uint4*>(q_row + d);
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
@@ -178,11 +202,13 @@ __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, i
   largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
   const int exponent = largest > 0.0f ? ilogbf(largest) : 14;
   const float scale = ldexpf(1.0f, 14 - max(exponent, -110));
-  if (part == 0) query_unscale[row] = 1.0f / scale;
+  if (part == 0) query_unscale[row] = kScaled ? 1.0f / scale : 1.0f;
   // The same four threads write the row's 72 columns.
   for (int column = part; column < kQkDim / 8; column += 4) {
     uint4 packed = make_uint4(0, 0, 0, 0);
-    if (head < p.num_heads) {
+    if (!kScaled && head < p.num_heads) {
+      packed = *reinterpret_cast<const uint4*>(q_row + column * 8);
+    } else if (head < p.num_heads) {
       const uint4 raw = *reinterpret_cast<const uint4*>(q_row + column * 8);
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
       uint32_t* out = reinterpret_cast<uint32_t*>(&packed);
@@ -198,15 +224,55 @@ __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, i
   NamedBarrierSync(kConsumers, 256);  // all of Q is written
 }
 
+// The 16-byte chunks of a row that one producer thread loads, for parity 0 or 1: the value chunks
+// 2 i + parity (dims 16 (2 i + parity) + [0, 16): 18 of e4m3 rows, 16 of fp8_ds_mla's latent
+// values), then for fp8_ds_mla the RoPE chunks 2 j + parity (8 bf16 each: dims 512 + 8 (2 j +
+// parity) + [0, 8)) and the 16 bytes of tile scales.
+template <KvLayout kLayout>
+struct RowChunks {
+  static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
+  static constexpr int kValues = (kDsMla ? kVDim : kQkDim) / 32;
+  static constexpr int kRope = kDsMla ? (kQkDim - kVDim) / 16 : 0;
+  static constexpr int kCount = kValues + kRope + (kDsMla ? 1 : 0);
+  static constexpr int kScales = kCount - 1;  // fp8_ds_mla: the chunk of tile scales
+  // Byte offset of chunk k in the row.
+  __device__ static int Offset(int k, int parity) {
+    if (k < kValues) return 16 * (2 * k + parity);
+    if (k < kValues + kRope) return kVDim + 16 + 16 * (2 * (k - kValues) + parity);
+    return kVDim;
+  }
+};
+
+// 16 fp8_ds_mla latent values (one chunk) times their tile scale, as two bf16 operand columns.
+__device__ __forceinline__ void ScaledBf16Columns(uint4 bytes, float scale, uint4& low,
+                                                  uint4& high) {
+  const uint32_t words[4] = {bytes.x, bytes.y, bytes.z, bytes.w};
+  uint32_t packed[8];
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    uint32_t f16_pairs[2];
+    E4m3ToF16Pairs(words[w], f16_pairs[0], f16_pairs[1]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float2 values = __half22float2(*reinterpret_cast<const __half2*>(&f16_pairs[h]));
+      packed[2 * w + h] = PackBf16(values.x * scale, values.y * scale);
+    }
+  }
+  low = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  high = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
 // Warpgroup 2: every tile of the split into buffer tile % 2, once both consumers freed it. Lane l
-// of warp w takes row 16 w + l % 16 and the 16-byte chunks of parity l / 16: a warp reads 32
+// of warp w takes row 16 w + l % 16 and the chunks of parity l / 16 (RowChunks): a warp reads 32
 // contiguous bytes per row, and each quarter warp stores 8 rows' 16 bytes of one column, 128
 // contiguous bytes (no bank conflicts). The loads of the next tile are issued chunk by chunk as
 // the chunks of this tile are converted, and its slots one tile earlier, so that their latency
 // overlaps the conversion and the wait for a free buffer.
+template <KvLayout kLayout>
 __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p, int token,
                                              int key_begin, int key_end, int num_tiles,
                                              int thread) {
+  using Chunks = RowChunks<kLayout>;
   const int row = 16 * (thread / 32) + thread % 16, parity = thread % 32 / 16;
   const int32_t* token_indices = p.indices + int64_t{token} * p.num_keys;
   const auto slot_of = [&](int tile) {
@@ -214,39 +280,59 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
     return position < key_end ? token_indices[position] : -1;
   };
   const auto is_valid = [&](int32_t slot) { return slot >= 0 && slot < p.num_slots; };
-  const auto chunks_of = [&](int32_t slot) {
-    return reinterpret_cast<const uint4*>(p.kv + int64_t{is_valid(slot) ? slot : 0} * kQkDim) +
-           parity;
+  const auto row_of = [&](int32_t slot) {
+    return p.kv + int64_t{is_valid(slot) ? slot : 0} * kRowBytes<kLayout>;
+  };
+  const auto load = [&](const uint8_t* source, int k) {
+    return __ldg(reinterpret_cast<const uint4*>(source + Chunks::Offset(k, parity)));
   };
   int32_t slot = slot_of(0), next_slot = slot_of(1);
-  // Chunks 2 i + parity of this thread's row; loaded only for valid slots, and the loads go
-  // straight into these registers (a select here would wait for them).
-  uint4 raw[kChunks / 2] = {};
+  // This thread's chunks of its row; loaded only for valid slots, and the loads go straight into
+  // these registers (a select here would wait for them).
+  uint4 raw[Chunks::kCount] = {};
   if (is_valid(slot)) {
-    const uint4* chunks = chunks_of(slot);
+    const uint8_t* source = row_of(slot);
 #pragma unroll
-    for (int i = 0; i < kChunks / 2; ++i) raw[i] = __ldg(chunks + 2 * i);
+    for (int k = 0; k < Chunks::kCount; ++k) raw[k] = load(source, k);
   }
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int buffer = tile % kBuffers;
     const int32_t slot_after_next = slot_of(tile + 2);
     const bool valid = is_valid(slot), next_valid = is_valid(next_slot);
-    const uint4* next_chunks = chunks_of(next_slot);
+    const uint8_t* next_source = row_of(next_slot);
     if (tile >= kBuffers) WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
     if (parity == 0) smem.valid[buffer][row] = valid;
     uint8_t* keys = smem.keys[buffer];
+    const auto store = [&](int column, uint4 value) {
+      *reinterpret_cast<uint4*>(keys + column * kColumnBytes + row * 16) = value;
+    };
+    float4 scales = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if constexpr (Chunks::kDsMla) scales = *reinterpret_cast<const float4*>(&raw[Chunks::kScales]);
 #pragma unroll
-    for (int i = 0; i < kChunks / 2; ++i) {
-      const int chunk = 2 * i + parity;  // dims 16 chunk + [0, 16): columns 2 chunk, 2 chunk + 1
-      const uint4 bytes = valid ? raw[i] : make_uint4(0, 0, 0, 0);  // invalid rows: zeros
+    for (int k = 0; k < Chunks::kValues; ++k) {
+      const int chunk = 2 * k + parity;  // dims 16 chunk + [0, 16): columns 2 chunk, 2 chunk + 1
+      const uint4 bytes = valid ? raw[k] : make_uint4(0, 0, 0, 0);  // invalid rows: zeros
       uint4 low, high;
-      E4m3ToF16Pairs(bytes.x, low.x, low.y);
-      E4m3ToF16Pairs(bytes.y, low.z, low.w);
-      E4m3ToF16Pairs(bytes.z, high.x, high.y);
-      E4m3ToF16Pairs(bytes.w, high.z, high.w);
-      *reinterpret_cast<uint4*>(keys + (2 * chunk) * kColumnBytes + row * 16) = low;
-      *reinterpret_cast<uint4*>(keys + (2 * chunk + 1) * kColumnBytes + row * 16) = high;
-      if (next_valid) raw[i] = __ldg(next_chunks + 2 * i);
+      if constexpr (Chunks::kDsMla) {
+        ScaledBf16Columns(bytes, valid ? Component(scales, chunk / 8) : 0.0f, low, high);
+      } else {
+        E4m3ToF16Pairs(bytes.x, low.x, low.y);
+        E4m3ToF16Pairs(bytes.y, low.z, low.w);
+        E4m3ToF16Pairs(bytes.z, high.x, high.y);
+        E4m3ToF16Pairs(bytes.w, high.z, high.w);
+      }
+      store(2 * chunk, low);
+      store(2 * chunk + 1, high);
+      if (next_valid) raw[k] = load(next_source, k);
+    }
+#pragma unroll
+    for (int j = 0; j < Chunks::kRope; ++j) {  // fp8_ds_mla's RoPE dims: bf16 as they are
+      const int k = Chunks::kValues + j;
+      store(kVDim / 8 + 2 * j + parity, valid ? raw[k] : make_uint4(0, 0, 0, 0));
+      if (next_valid) raw[k] = load(next_source, k);
+    }
+    if constexpr (Chunks::kDsMla) {
+      if (next_valid) raw[Chunks::kScales] = load(next_source, Chunks::kScales);
     }
     FenceProxyAsync();
     ArriveBarrier(smem.ready + buffer);
@@ -284,7 +370,10 @@ __device__ __forceinline__ void WriteOutput(const float (&out)[128], const Decod
   }
 }
 
+template <KvLayout kLayout>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(const DecodeParams p) {
+  using ScoresMma = typename Operands<kLayout>::ScoresMma;
+  using ValuesMma = typename Operands<kLayout>::ValuesMma;
   extern __shared__ __align__(128) uint8_t shared_bytes[];
   Shared& smem = *reinterpret_cast<Shared*>(shared_bytes);
   const int head_begin = blockIdx.x * kHeads;
@@ -306,7 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
 
   if (warpgroup == 2) {
     SetRegisters<kProducerRegisters>();
-    ProduceTiles(smem, p, token, key_begin, key_end, num_tiles, thread);
+    ProduceTiles<kLayout>(smem, p, token, key_begin, key_end, num_tiles, thread);
     return;
   }
   float* query_unscale = smem.query_unscale;
@@ -318,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   // setmaxnreg grants only to code that no other register count reaches.
   if (warpgroup == 0) {
     SetRegisters<kScoreRegisters>();
-    LoadQuery(smem, p, token, head_begin, threadIdx.x, query_unscale);
+    LoadQuery<kLayout>(smem, p, token, head_begin, threadIdx.x, query_unscale);
     float out[128] = {};
     const float score_scale0 = p.score_scale_log2 * query_unscale[row0];
     const float score_scale1 = p.score_scale_log2 * query_unscale[row1];
@@ -370,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
         const int r = (i / 2) % 2;
         const float p0 = Exp2(score[i] - base[r]), p1 = Exp2(score[i + 1] - base[r]);
         row_sum[r] += p0 + p1;
-        probs[i / 2] = PackF16(p0, p1);
+        probs[i / 2] = Operands<kLayout>::Pack(p0, p1);
       }
       // P and the rescale factors of the previous tile must have been read by warpgroup 1.
       if (tile > 0) NamedBarrierSync(kProbsRead, 256);
@@ -388,7 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       FenceProxyAsync();
       NamedBarrierSync(kScoreGroup, 128);  // all of P is written before this warpgroup's MMAs
       NamedBarrierArrive(kProbsReady, 256);
-      AccumulateValues(out, rescale[0], rescale[1], probs_operand, values_operand);
+      AccumulateValues<ValuesMma>(out, rescale[0], rescale[1], probs_operand, values_operand);
       if (thread == 0) ArriveBarrier(smem.freed + buffer);
     }
     // l and lse per row; 1 / l for both warpgroups.
@@ -417,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
     WriteOutput(out, p, inverse_sum, token, split, head_begin, 0, row0, row1, column_in_block);
   } else {
     SetRegisters<kValueRegisters>();
-    LoadQuery(smem, p, token, head_begin, threadIdx.x, query_unscale);
+    LoadQuery<kLayout>(smem, p, token, head_begin, threadIdx.x, query_unscale);
     float out[128] = {};
     const uint64_t probs_operand = KMajor(smem.probs);
     for (int tile = 0; tile < num_tiles; ++tile) {
@@ -427,7 +516,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       // Already complete (warpgroup 0 waited before its scores): orders the producer's stores
       // before this warpgroup's MMAs directly.
       WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
-      AccumulateValues(out, smem.rescale[row0], smem.rescale[row1], probs_operand, values_operand);
+      AccumulateValues<ValuesMma>(out, smem.rescale[row0], smem.rescale[row1], probs_operand,
+                                  values_operand);
       if (tile + 1 < num_tiles) NamedBarrierArrive(kProbsRead, 256);
       if (thread == 0) ArriveBarrier(smem.freed + buffer);
     }

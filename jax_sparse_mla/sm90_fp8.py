@@ -12,10 +12,14 @@ dims so that every value is converted once per CTA. The per-tensor k_scale multi
 and the output; fp8_ds_mla's tile scales multiply the 128-dim partial dot products and, for P V,
 the probabilities.
 
-With more than 32 heads and an e4m3 cache, a second kernel (`ffi/sm90_fp8_wide_kernel.cuh`) runs
-64 heads per CTA on warpgroup MMAs (wgmma): a producer warpgroup converts each tile's rows to f16 once
-into shared memory, one consumer warpgroup computes S, the softmax and half of P V, the other the
-other half. fp8_ds_mla caches stay on the first kernel at every head count.
+With more than 32 heads, a second kernel (`ffi/sm90_fp8_wide_kernel.cuh`) runs 64 heads per CTA on
+warpgroup MMAs (wgmma): a producer warpgroup converts each tile's rows once into shared memory (e4m3
+exactly to f16; fp8_ds_mla dequantised to bf16, value times tile scale rounded once, next to its
+bf16 RoPE dims), one consumer warpgroup computes S, the softmax and half of P V, the other the other
+half. Rounding fp8_ds_mla's dequantised values to bf16 (FlashMLA's Hopper kernel does the same) costs
+accuracy that the first kernel, which applies the tile scales in float32, does not: up to 2^-9
+relative per key value, which on the GPU tests' data moves lse by up to ~0.04 from the pure-JAX path
+(which dequantises in float32); e4m3 values convert exactly in both kernels.
 
 Work split: one CTA per (token, group of 16, 32 or 64 heads, split of the top-k list). A static plan
 per shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel
@@ -44,8 +48,8 @@ TILE_KEYS = 64
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """heads_per_cta: 16, 32 or 64 (e4m3 rows only); the top-k list splits into num_splits ranges
-    of keys_per_split."""
+    """heads_per_cta: 16, 32 or 64; the top-k list splits into num_splits ranges of
+    keys_per_split."""
 
     heads_per_cta: int
     num_splits: int
@@ -53,15 +57,14 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int, *,
-         ds_mla: bool = False) -> Plan:
+def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> Plan:
     """Static work split for T tokens x H heads over K slots on a GPU with `sm_count` SMs.
 
     Splits only when T x head groups is below one CTA per SM, keeping at least two tiles per split
     (each CTA also loads its queries), and always enough to keep a split within MAX_KEYS_PER_SPLIT.
     """
-    # e4m3 rows with more than 32 heads: the 64-head warpgroup-MMA kernel (sm90_fp8_wide_kernel.cuh).
-    heads_per_cta = 16 if num_heads <= 16 else 32 if num_heads <= 32 or ds_mla else 64
+    # More than 32 heads: the 64-head warpgroup-MMA kernel (sm90_fp8_wide_kernel.cuh).
+    heads_per_cta = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
     tiles = max(1, -(-num_keys // TILE_KEYS))
     ctas = num_tokens * -(-num_heads // heads_per_cta)
     splits = max(1, min(tiles // 2, sm_count // max(ctas, 1)))
@@ -83,7 +86,7 @@ def _sm90_fp8_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_sca
     num_keys = indices.shape[1]
     if valid_counts is None:  # a constant of the executable
         valid_counts = jnp.full((num_tokens,), num_keys, jnp.int32)
-    p = plan(num_tokens, num_heads, num_keys, kernels.device_sm_count(), ds_mla=ds_mla)
+    p = plan(num_tokens, num_heads, num_keys, kernels.device_sm_count())
     split_rows = (p.num_splits, num_tokens, num_heads) if p.num_splits > 1 else (1,)
     call = jax.ffi.ffi_call(
         TARGET,

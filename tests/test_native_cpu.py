@@ -126,11 +126,9 @@ def test_dispatch_by_capability(fake_gpu, capability, layout, q_dtype, expected)
 @pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 128, 8192])
 @pytest.mark.parametrize("num_heads", [1, 16, 20, 32, 64, 128])
 @pytest.mark.parametrize("num_keys", [0, 1, 128, 2048, 2049, 4224])
-@pytest.mark.parametrize("ds_mla", [False, True])
-def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys, ds_mla):
-    p = sm90_fp8.plan(num_tokens, num_heads, num_keys, 132, ds_mla=ds_mla)
-    # 64-head CTAs (the warpgroup-MMA kernel) only for e4m3 rows.
-    assert p.heads_per_cta == (16 if num_heads <= 16 else 32 if num_heads <= 32 or ds_mla else 64)
+def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys):
+    p = sm90_fp8.plan(num_tokens, num_heads, num_keys, 132)
+    assert p.heads_per_cta == (16 if num_heads <= 16 else 32 if num_heads <= 32 else 64)
     assert p.keys_per_split % 64 == 0 and 0 < p.keys_per_split <= 2048
     assert p.num_splits * p.keys_per_split >= num_keys  # every key lies in a split
     assert (p.num_splits - 1) * p.keys_per_split < max(num_keys, 1)  # no split wholly past K
