@@ -246,7 +246,8 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     cache_dtype, target = (jnp.bfloat16, "jax_sparse_mla_sm90_decode_bf16") if sys.argv[2] == "bf16" else (
         jnp.float8_e4m3fn, "jax_sparse_mla_sm90_fp8_decode")
     cache = jnp.asarray(rng.standard_normal((4096, 576), np.float32), cache_dtype).reshape(64, 64, 576)
-    q = jnp.asarray(rng.standard_normal((8, 16, 576), np.float32), jnp.bfloat16)
+    num_heads = int(sys.argv[3])
+    q = jnp.asarray(rng.standard_normal((8, num_heads, 576), np.float32), jnp.bfloat16)
     idx = rng.integers(0, 4096, (8, 512)).astype(np.int32)
     idx[rng.random(idx.shape) < 0.2] = -1
     idx[3] = -1
@@ -260,7 +261,7 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
                 moved = jnp.where(idx >= 0, (idx + 61 * i) % 4096, -1)
                 out, _ = jsm.sparse_mla_decode(q, cache, moved, scale=0.1, implementation=impl)
                 return acc + out.astype(jnp.float32)
-            return jax.lax.fori_loop(0, 4, body, jnp.zeros((8, 16, 512), jnp.float32))
+            return jax.lax.fori_loop(0, 4, body, jnp.zeros((8, num_heads, 512), jnp.float32))
         return jax.jit(run)(q, cache, idx)
 
     native, reference = loop("native"), loop("xla")
@@ -299,14 +300,16 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
-def test_under_command_buffers(tmp_path, kv_dtype):
+# fp8 at 128 heads: the 64-head kernel.
+@pytest.mark.parametrize("kv_dtype,num_heads", [("bf16", 16), ("fp8", 16), ("fp8", 128)])
+def test_under_command_buffers(tmp_path, kv_dtype, num_heads):
     """The handlers claim kCmdBufferCompatible: run them inside XLA command buffers (CUDA graphs)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = (f"--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
                         f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={tmp_path} "
                         f"--xla_dump_hlo_as_text")
-    result = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT, str(tmp_path), kv_dtype],
+    result = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT, str(tmp_path), kv_dtype,
+                             str(num_heads)],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
