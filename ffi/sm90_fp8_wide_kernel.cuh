@@ -1,6 +1,6 @@
-// Sparse MLA decode over an fp8 cache (per-tensor e4m3 or fp8_ds_mla rows) for SM90 with 64 heads per
-// CTA and warpgroup MMAs, for H > 32 (where the 32-head kernel of sm90_fp8_kernel.cuh would convert
-// every row once per 32 heads and feed mma.sync from registers).
+// Sparse MLA decode over an fp8 cache (per-tensor e4m3 or fp8_ds_mla rows) for SM90 with 64 heads
+// per CTA and warpgroup MMAs, for H > 32 (where the 32-head kernel of sm90_fp8_kernel.cuh would
+// convert every row once per 32 heads and feed mma.sync from registers).
 //
 // One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
 // list:
@@ -13,9 +13,9 @@
 //     as in the 32-head kernel; fp8_ds_mla: bf16 wgmma with Q as it is), the online softmax, P (f16
 //     or bf16, into shared memory) and O[:, 0:256] += P V;
 //   - warpgroup 1 computes O[:, 256:512] += P V from the same P, alongside warpgroup 0's half.
-// Shared-memory operands are unswizzled core matrices: 16-byte column c (8 f16 along the dims) of
-// row m (a head or a key) at c * kColumnBytes + m * 16. For S both operands are K-major; for P V the
-// key rows serve as V in MN-major order (8 dims contiguous per key).
+// Shared-memory operands are unswizzled core matrices: 16-byte column c (8 values along the dims)
+// of row m (a head or a key) at c * kColumnBytes + m * 16. For S both operands are K-major; for
+// P V the key rows serve as V in MN-major order (8 dims contiguous per key).
 //
 // The epilogue follows the 32-head kernel: with one split out / lse directly, otherwise normalised
 // fp32 partials and base-2 lse for MergeSplits. A row with no valid slot: out 0, lse -inf.
@@ -35,7 +35,7 @@ inline constexpr int kWarpgroups = 3;
 inline constexpr int kThreads = 128 * kWarpgroups;
 inline constexpr int kBuffers = 2;
 inline constexpr int kColumnBytes = kBlockN * 16;  // one 16-byte column of 64 rows
-inline constexpr int kOperandBytes = kQkDim / 8 * kColumnBytes;  // f16 [64 x 576]
+inline constexpr int kOperandBytes = kQkDim / 8 * kColumnBytes;  // 16-bit [64 x 576]
 // Registers per thread after setmaxnreg (the launch gives 168 to each of the 384 threads).
 inline constexpr int kLaunchRegisters = 168;
 inline constexpr int kScoreRegisters = 208, kValueRegisters = 168, kProducerRegisters = 128;
@@ -46,9 +46,9 @@ static_assert(kScoreRegisters + kValueRegisters + kProducerRegisters <= 3 * kLau
 inline constexpr int kProbsReady = 1, kProbsRead = 2, kScoreGroup = 3, kConsumers = 4;
 
 struct Shared {
-  uint8_t q[kOperandBytes];                // Q f16 [64 heads x 576]
-  uint8_t keys[kBuffers][kOperandBytes];   // converted rows f16 [64 keys x 576]
-  uint8_t probs[kBlockN / 8 * kColumnBytes];  // P f16 [64 heads x 64 keys]
+  uint8_t q[kOperandBytes];                // Q [64 heads x 576], f16 or bf16 (Operands)
+  uint8_t keys[kBuffers][kOperandBytes];   // converted rows [64 keys x 576], f16 or bf16
+  uint8_t probs[kBlockN / 8 * kColumnBytes];  // P [64 heads x 64 keys], f16 or bf16
   float rescale[kHeads];                   // factor on the running output before this tile's P V
   float query_unscale[kHeads];             // 1 / Q's row scales
   float inverse_sum[kHeads];               // 1 / l per row, for the epilogue
@@ -110,7 +110,7 @@ __device__ __forceinline__ uint64_t ValueOperand(const uint8_t* keys, int first_
 
 // A descriptor moves on by adding to its start address (bits 0-13, in 16-byte units): shared
 // addresses stay below 2^18 bytes, so the sum never carries out of the field.
-inline constexpr uint64_t kKMajorStep = 2 * kColumnBytes / 16;  // 16 f16 along K: two columns
+inline constexpr uint64_t kKMajorStep = 2 * kColumnBytes / 16;  // 16 values along K: two columns
 inline constexpr uint64_t kValueStep = 2 * 128 / 16;            // 16 keys: two core matrices
 
 template <typename Op, int kRegs, size_t... kI>
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
     const float score_scale0 = p.score_scale_log2 * query_unscale[row0];
     const float score_scale1 = p.score_scale_log2 * query_unscale[row1];
     float row_max[2] = {-INFINITY, -INFINITY};
-    float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; reduced over the quad at the end
+    float row_sum[2] = {0.0f, 0.0f};  // this thread's columns; reduced over the quad at the end
     const uint64_t query_operand = KMajor(smem.q), probs_operand = KMajor(smem.probs);
     for (int tile = 0; tile < num_tiles; ++tile) {
       const int buffer = tile % kBuffers;
