@@ -1,13 +1,13 @@
-"""GPU tests of the SM90 fp8 kernel (ours, ffi/sm90_fp8_kernel.cuh) for per-tensor e4m3 and fp8_ds_mla
-caches.
+"""GPU tests of the SM90 fp8 kernels (ours: ffi/sm90_fp8_kernel.cuh up to 32 heads,
+ffi/sm90_fp8_wide_kernel.cuh above) for per-tensor e4m3 and fp8_ds_mla caches.
 
 Each case compares the native kernel with the pure-JAX kernel (implementation="xla") on the values
 the kernel multiplies (run_reference): the cache itself, which the pure-JAX op dequantises exactly in
 float32, or for fp8_ds_mla under the 64-head kernel that cache dequantised to bf16. The caches are
-larger than the H200's L2 and their unselected rows hold NaN bytes; slots have -1 holes and out-of-range values at random
-places, and some rows select nothing. One case also checks against the float64 NumPy reference.
-Skipped without an SM90 GPU or without the compiled extension (JAX_SPARSE_MLA_REQUIRE_GPU=1 turns
-the skip into a failure).
+larger than the H200's L2 and their unselected rows hold NaN bytes; slots have -1 holes and
+out-of-range values at random places, and some rows select nothing. One case also checks against the
+float64 NumPy reference. Skipped without an SM90 GPU or without the compiled extension
+(JAX_SPARSE_MLA_REQUIRE_GPU=1 turns the skip into a failure).
 """
 
 from __future__ import annotations
