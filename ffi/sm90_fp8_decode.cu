@@ -36,17 +36,28 @@ cudaError_t RaiseSharedMemoryLimit() {
   return status;
 }
 
-// One CTA of kThreadsPerCta threads per (group of kHeadsPerCta heads, split, token). Head groups
-// vary fastest: the CTAs of one token's splits gather the same rows close in time.
-template <auto kKernel, int kHeadsPerCta, int kThreadsPerCta, int kSmemBytes>
+// One CTA of kThreadsPerCta threads per (group of kHeadsPerCta heads, split, token), in clusters
+// of kClusterSize CTAs along the head groups. Head groups vary fastest: the CTAs of one token's
+// splits gather the same rows close in time.
+template <auto kKernel, int kHeadsPerCta, int kThreadsPerCta, int kSmemBytes, int kClusterSize = 1>
 cudaError_t Launch(const DecodeParams& params, cudaStream_t stream) {
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kSmemBytes>(); status != cudaSuccess) {
     return status;
   }
-  const dim3 grid((params.num_heads + kHeadsPerCta - 1) / kHeadsPerCta, params.num_splits,
-                  params.num_tokens);
-  kKernel<<<grid, kThreadsPerCta, kSmemBytes, stream>>>(params);
-  return cudaGetLastError();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((params.num_heads + kHeadsPerCta - 1) / kHeadsPerCta, params.num_splits,
+                        params.num_tokens);
+  config.blockDim = dim3(kThreadsPerCta);
+  config.dynamicSmemBytes = kSmemBytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = kClusterSize;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = kClusterSize > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kKernel, params);
 }
 
 template <typename Config>
@@ -56,12 +67,17 @@ cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
 }
 
 // Heads per CTA: 16 or 32 (the mma.sync kernel of sm90_fp8_kernel.cuh) or 64 (the warpgroup-MMA
-// kernel of sm90_fp8_wide_kernel.cuh).
+// kernel of sm90_fp8_wide_kernel.cuh; for two head groups its paired form, one cluster per token
+// and split).
 template <KvLayout kLayout>
 cudaError_t LaunchForHeads(int heads_per_cta, const DecodeParams& params, cudaStream_t stream) {
+  if (heads_per_cta == 64 && (params.num_heads + wide::kHeads - 1) / wide::kHeads == 2) {
+    return Launch<wide::SparseMlaFp8WideDecodeKernel<kLayout, true>, wide::kHeads,
+                  wide::kThreads, sizeof(wide::Shared), 2>(params, stream);
+  }
   if (heads_per_cta == 64) {
-    return Launch<wide::SparseMlaFp8WideDecodeKernel<kLayout>, wide::kHeads, wide::kThreads,
-                  sizeof(wide::Shared)>(params, stream);
+    return Launch<wide::SparseMlaFp8WideDecodeKernel<kLayout, false>, wide::kHeads,
+                  wide::kThreads, sizeof(wide::Shared)>(params, stream);
   }
   return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, kLayout>>(params, stream)
                              : LaunchDecode<TileConfig<2, kLayout>>(params, stream);

@@ -4,11 +4,13 @@
 //
 // One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
 // list:
-//   - warpgroup 2 (the producer) gathers each tile of 64 rows with 16-byte loads (issued while it
-//     converts the tile before), converts them and stores them into one of two shared-memory
-//     buffers as wgmma operands: e4m3 values to f16 (exact); fp8_ds_mla values times their tile
-//     scale to bf16 (rounded once, as FlashMLA dequantises) beside the bf16 RoPE dims as they are.
-//     Rows of invalid slots become zeros and are marked invalid;
+//   - warpgroup 2 (the producer) gathers the tile's rows with 16-byte loads (issued a round of 32
+//     rows ahead), converts them and stores them into one of two shared-memory buffers as wgmma
+//     operands: e4m3 values to f16 (exact); fp8_ds_mla values times their tile scale to bf16
+//     (rounded once, as FlashMLA dequantises) beside the bf16 RoPE dims as they are. Rows of
+//     invalid slots become zeros and are marked invalid. With two head groups (H in (64, 128]) the
+//     two CTAs of a token form a cluster (kPaired) and each producer converts half of every tile
+//     into both CTAs' buffers (the other CTA's half through distributed shared memory);
 //   - warpgroup 0 computes S = Q K^T (e4m3: f16 wgmma with Q as f16 after a power-of-two row scale,
 //     as in the 32-head kernel; fp8_ds_mla: bf16 wgmma with Q as it is), the online softmax, P (f16
 //     or bf16, into shared memory) and O[:, 0:256] += P V;
@@ -53,8 +55,9 @@ struct Shared {
   float query_unscale[kHeads];             // 1 / Q's row scales
   float inverse_sum[kHeads];               // 1 / l per row, for the epilogue
   uint8_t valid[kBuffers][kBlockN];
-  uint64_t ready[kBuffers];                // producer -> consumers: a buffer holds its tile
-  uint64_t freed[kBuffers];                // consumers -> producer: both are done with a buffer
+  uint64_t ready[kBuffers];         // this CTA's producer -> consumers: its rows of a tile are in
+  uint64_t peer_ready[kBuffers];    // paired CTAs: the peer's rows of a tile are in (byte count)
+  uint64_t freed[kBuffers];         // consumers -> producers: all consumers are done with a buffer
 };
 static_assert(sizeof(Shared) <= 227 * 1024);
 
@@ -71,6 +74,67 @@ __device__ __forceinline__ void ArriveBarrier(uint64_t* barrier) {
 // Threads' shared-memory stores, before wgmma (the async proxy) reads them.
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// ---- The pair of CTAs of one cluster (both head groups of a token, kPaired) ----------------------
+
+__device__ __forceinline__ uint32_t ClusterRank() {
+  uint32_t rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+  return rank;
+}
+
+// All non-exited threads of both CTAs (the producer warpgroups return early).
+__device__ __forceinline__ void ClusterSync() {
+  asm volatile(
+      "barrier.cluster.arrive.release.aligned;\n"
+      "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
+// The shared::cluster address of `pointer`'s counterpart in the CTA of rank `rank`.
+__device__ __forceinline__ uint32_t PeerAddress(const void* pointer, uint32_t rank) {
+  uint32_t address;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n"
+               : "=r"(address)
+               : "r"(SmemAddress(pointer)), "r"(rank));
+  return address;
+}
+
+__device__ __forceinline__ void ArrivePeerBarrier(uint32_t peer_barrier) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(peer_barrier)
+               : "memory");
+}
+
+// Stores into the peer CTA's shared memory that complete on its barrier `peer_barrier` (counted in
+// bytes there), so the peer's consumers wait for them like for a bulk copy.
+__device__ __forceinline__ void StorePeer(uint32_t peer_address, uint4 value,
+                                          uint32_t peer_barrier) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n"
+      ::"r"(peer_address), "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w),
+      "r"(peer_barrier)
+      : "memory");
+}
+__device__ __forceinline__ void StorePeer(uint32_t peer_address, uint2 value,
+                                          uint32_t peer_barrier) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"
+      ::"r"(peer_address), "r"(value.x), "r"(value.y), "r"(peer_barrier)
+      : "memory");
+}
+
+// Waits for a barrier phase that threads of the other CTA may have completed (acquire at cluster
+// scope, so their stores are visible here).
+__device__ __forceinline__ void WaitClusterBarrier(uint64_t* barrier, uint32_t phase) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "wait:\n"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra wait;\n"
+      "}\n" ::"r"(SmemAddress(barrier)),
+      "r"(phase)
+      : "memory");
 }
 
 // Sets this warpgroup's registers per thread: setmaxnreg.inc may only raise the count the launch
@@ -224,21 +288,22 @@ __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, i
   NamedBarrierSync(kConsumers, 256);  // all of Q is written
 }
 
-// The 16-byte chunks of a row that one producer thread loads, for parity 0 or 1: the value chunks
-// 2 i + parity (dims 16 (2 i + parity) + [0, 16): 18 of e4m3 rows, 16 of fp8_ds_mla's latent
-// values), then for fp8_ds_mla the RoPE chunks 2 j + parity (8 bf16 each: dims 512 + 8 (2 j +
-// parity) + [0, 8)) and the 16 bytes of tile scales.
+// The 16-byte chunks of a row that one of its 4 producer threads (part p) loads: the value chunks
+// 4 i + p (dims 16 (4 i + p) + [0, 16): 9 of e4m3 rows, 8 of fp8_ds_mla's latent values), then for
+// fp8_ds_mla the RoPE chunks 4 j + p (8 bf16 each: dims 512 + 8 (4 j + p) + [0, 8)) and the 16
+// bytes of tile scales.
 template <KvLayout kLayout>
 struct RowChunks {
+  static constexpr int kParts = 4;
   static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
-  static constexpr int kValues = (kDsMla ? kVDim : kQkDim) / 32;
-  static constexpr int kRope = kDsMla ? (kQkDim - kVDim) / 16 : 0;
+  static constexpr int kValues = (kDsMla ? kVDim : kQkDim) / (16 * kParts);
+  static constexpr int kRope = kDsMla ? (kQkDim - kVDim) / (8 * kParts) : 0;
   static constexpr int kCount = kValues + kRope + (kDsMla ? 1 : 0);
   static constexpr int kScales = kCount - 1;  // fp8_ds_mla: the chunk of tile scales
   // Byte offset of chunk k in the row.
-  __device__ static int Offset(int k, int parity) {
-    if (k < kValues) return 16 * (2 * k + parity);
-    if (k < kValues + kRope) return kVDim + 16 + 16 * (2 * (k - kValues) + parity);
+  __device__ static int Offset(int k, int part) {
+    if (k < kValues) return 16 * (kParts * k + part);
+    if (k < kValues + kRope) return kVDim + 16 + 16 * (kParts * (k - kValues) + part);
     return kVDim;
   }
 };
@@ -262,55 +327,93 @@ __device__ __forceinline__ void ScaledBf16Columns(uint4 bytes, float scale, uint
   high = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-// Warpgroup 2: every tile of the split into buffer tile % 2, once both consumers freed it. Lane l
-// of warp w takes row 16 w + l % 16 and the chunks of parity l / 16 (RowChunks): a warp reads 32
-// contiguous bytes per row, and each quarter warp stores 8 rows' 16 bytes of one column, 128
-// contiguous bytes (no bank conflicts). The loads of the next tile are issued chunk by chunk as
-// the chunks of this tile are converted, and its slots one tile earlier, so that their latency
-// overlaps the conversion and the wait for a free buffer.
-template <KvLayout kLayout>
+// Waits for a barrier phase; paired CTAs acquire at cluster scope (the other CTA's threads arrive).
+template <bool kPaired>
+__device__ __forceinline__ void WaitPhase(uint64_t* barrier, uint32_t phase) {
+  if constexpr (kPaired) {
+    WaitClusterBarrier(barrier, phase);
+  } else {
+    WaitBarrier(barrier, phase);
+  }
+}
+
+// Bytes the peer's producer stores into a CTA's buffer per tile (kPaired): its 32 rows of 72
+// columns and, per warp, the valid flags of its 8 rows.
+inline constexpr uint32_t kPeerTileBytes = kBlockN / 2 * (kOperandBytes / kBlockN) + 4 * 8;
+
+// Warpgroup 2: the CTA's rows of every tile of the split into buffer tile % 2, once all consumers
+// freed it, in rounds of 32 rows with 4 threads per row. Alone (kPaired false) a CTA's producer
+// converts all 64 rows of a tile in two rounds; paired, each CTA's producer converts half of them
+// (rows 32 rank + [0, 32), one round per tile) into both CTAs' buffers, so each row is gathered
+// and converted once per token for 128 heads. Lane l of warp w takes row 8 w + l % 8 of the round
+// and the chunks of part l / 8 (RowChunks): a warp reads 64 contiguous bytes per row, and each
+// quarter warp stores 8 rows' 16 bytes of one column, 128 contiguous bytes (no bank conflicts).
+// A round's loads go into the register set the round before last converted and are issued before
+// this round's conversion (and its wait for a free buffer), so their latency overlaps a whole round;
+// the slots are read one round earlier still.
+template <KvLayout kLayout, bool kPaired>
 __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p, int token,
                                              int key_begin, int key_end, int num_tiles,
                                              int thread) {
   using Chunks = RowChunks<kLayout>;
-  const int row = 16 * (thread / 32) + thread % 16, parity = thread % 32 / 16;
+  using Registers = uint4[Chunks::kCount];
+  constexpr int kRounds = kPaired ? 1 : 2;  // rounds per tile
+  const int lane = thread % 32, part = lane / 8;
+  const int row_in_round = 8 * (thread / 32) + lane % 8;
+  const uint32_t rank = kPaired ? ClusterRank() : 0, peer = rank ^ 1;
+  const int num_rounds = num_tiles * kRounds;
+  const auto row_of = [&](int round) {
+    return 32 * (kPaired ? static_cast<int>(rank) : round % kRounds) + row_in_round;
+  };
   const int32_t* token_indices = p.indices + int64_t{token} * p.num_keys;
-  const auto slot_of = [&](int tile) {
-    const int position = key_begin + tile * kBlockN + row;
+  const auto slot_of = [&](int round) {
+    const int position = key_begin + round / kRounds * kBlockN + row_of(round);
     return position < key_end ? token_indices[position] : -1;
   };
   const auto is_valid = [&](int32_t slot) { return slot >= 0 && slot < p.num_slots; };
-  const auto row_of = [&](int32_t slot) {
-    return p.kv + int64_t{is_valid(slot) ? slot : 0} * kRowBytes<kLayout>;
-  };
-  const auto load = [&](const uint8_t* source, int k) {
-    return __ldg(reinterpret_cast<const uint4*>(source + Chunks::Offset(k, parity)));
-  };
-  int32_t slot = slot_of(0), next_slot = slot_of(1);
-  // This thread's chunks of its row; loaded only for valid slots, and the loads go straight into
-  // these registers (a select here would wait for them).
-  uint4 raw[Chunks::kCount] = {};
-  if (is_valid(slot)) {
-    const uint8_t* source = row_of(slot);
+  // Loads only for valid slots, straight into `raw` (a select here would wait for the loads).
+  const auto issue_loads = [&](int32_t slot, Registers& raw) {
+    if (!is_valid(slot)) return;
+    const uint8_t* source = p.kv + int64_t{slot} * kRowBytes<kLayout>;
 #pragma unroll
-    for (int k = 0; k < Chunks::kCount; ++k) raw[k] = load(source, k);
-  }
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int buffer = tile % kBuffers;
-    const int32_t slot_after_next = slot_of(tile + 2);
-    const bool valid = is_valid(slot), next_valid = is_valid(next_slot);
-    const uint8_t* next_source = row_of(next_slot);
-    if (tile >= kBuffers) WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
-    if (parity == 0) smem.valid[buffer][row] = valid;
+    for (int k = 0; k < Chunks::kCount; ++k) {
+      raw[k] = __ldg(reinterpret_cast<const uint4*>(source + Chunks::Offset(k, part)));
+    }
+  };
+  const auto convert = [&](int round, bool valid, const Registers& raw) {
+    const int tile = round / kRounds, buffer = tile % kBuffers, row = row_of(round);
+    if (round % kRounds == 0 && tile >= kBuffers) {
+      WaitPhase<kPaired>(smem.freed + buffer, (tile / kBuffers - 1) % 2);
+    }
     uint8_t* keys = smem.keys[buffer];
+    uint32_t peer_keys = 0, peer_ready = 0;
+    if constexpr (kPaired) {
+      // The previous phase of this buffer's peer_ready ended before its consumers freed it.
+      if (thread == 0) ArriveExpectBytes(smem.peer_ready + buffer, kPeerTileBytes);
+      peer_keys = PeerAddress(keys, peer) + row * 16;
+      peer_ready = PeerAddress(smem.peer_ready + buffer, peer);
+      // The warp's 8 valid flags (lanes 0-7), one byte each, for the peer's copy of `valid`.
+      const uint32_t flags = __ballot_sync(0xffffffffu, valid);
+      if (lane == 0) {
+        uint2 bytes = make_uint2(0, 0);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          bytes.x |= ((flags >> i) & 1u) << (8 * i);
+          bytes.y |= ((flags >> (4 + i)) & 1u) << (8 * i);
+        }
+        StorePeer(PeerAddress(smem.valid[buffer] + row, peer), bytes, peer_ready);
+      }
+    }
+    if (part == 0) smem.valid[buffer][row] = valid;
     const auto store = [&](int column, uint4 value) {
       *reinterpret_cast<uint4*>(keys + column * kColumnBytes + row * 16) = value;
+      if constexpr (kPaired) StorePeer(peer_keys + column * kColumnBytes, value, peer_ready);
     };
     float4 scales = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if constexpr (Chunks::kDsMla) scales = *reinterpret_cast<const float4*>(&raw[Chunks::kScales]);
 #pragma unroll
     for (int k = 0; k < Chunks::kValues; ++k) {
-      const int chunk = 2 * k + parity;  // dims 16 chunk + [0, 16): columns 2 chunk, 2 chunk + 1
+      const int chunk = Chunks::kParts * k + part;  // dims 16 chunk + [0, 16): 2 columns
       const uint4 bytes = valid ? raw[k] : make_uint4(0, 0, 0, 0);  // invalid rows: zeros
       uint4 low, high;
       if constexpr (Chunks::kDsMla) {
@@ -323,21 +426,31 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
       }
       store(2 * chunk, low);
       store(2 * chunk + 1, high);
-      if (next_valid) raw[k] = load(next_source, k);
     }
 #pragma unroll
     for (int j = 0; j < Chunks::kRope; ++j) {  // fp8_ds_mla's RoPE dims: bf16 as they are
-      const int k = Chunks::kValues + j;
-      store(kVDim / 8 + 2 * j + parity, valid ? raw[k] : make_uint4(0, 0, 0, 0));
-      if (next_valid) raw[k] = load(next_source, k);
+      store(kVDim / 8 + Chunks::kParts * j + part,
+            valid ? raw[Chunks::kValues + j] : make_uint4(0, 0, 0, 0));
     }
-    if constexpr (Chunks::kDsMla) {
-      if (next_valid) raw[Chunks::kScales] = load(next_source, Chunks::kScales);
+    if (round % kRounds == kRounds - 1) {
+      FenceProxyAsync();
+      ArriveBarrier(smem.ready + buffer);
     }
-    FenceProxyAsync();
-    ArriveBarrier(smem.ready + buffer);
+  };
+  Registers raw_a = {}, raw_b = {};
+  int32_t slot = slot_of(0), next_slot = slot_of(1);
+  issue_loads(slot, raw_a);
+  // One round: the next round's loads into `next`, then this round's rows from `current`.
+  const auto run_round = [&](int round, const Registers& current, Registers& next) {
+    const int32_t slot_after_next = slot_of(round + 2);
+    issue_loads(next_slot, next);
+    convert(round, is_valid(slot), current);
     slot = next_slot;
     next_slot = slot_after_next;
+  };
+  for (int round = 0; round < num_rounds; round += 2) {  // the register sets alternate
+    run_round(round, raw_a, raw_b);
+    if (round + 1 < num_rounds) run_round(round + 1, raw_b, raw_a);
   }
 }
 
@@ -370,7 +483,9 @@ __device__ __forceinline__ void WriteOutput(const float (&out)[128], const Decod
   }
 }
 
-template <KvLayout kLayout>
+// kPaired: launched in clusters of 2 CTAs along x (the two head groups of a token, H in (64, 128]),
+// whose producers share the conversion of each tile.
+template <KvLayout kLayout, bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(const DecodeParams p) {
   using ScoresMma = typename Operands<kLayout>::ScoresMma;
   using ValuesMma = typename Operands<kLayout>::ValuesMma;
@@ -389,15 +504,32 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
 
   if (threadIdx.x < kBuffers) {
     InitBarrier(smem.ready + threadIdx.x, 128);
-    InitBarrier(smem.freed + threadIdx.x, 2);
+    InitBarrier(smem.peer_ready + threadIdx.x, 1);
+    InitBarrier(smem.freed + threadIdx.x, kPaired ? 4 : 2);
   }
-  __syncthreads();
+  if constexpr (kPaired) {
+    ClusterSync();  // both CTAs' barriers are initialised before either touches the other's
+  } else {
+    __syncthreads();
+  }
 
   if (warpgroup == 2) {
     SetRegisters<kProducerRegisters>();
-    ProduceTiles<kLayout>(smem, p, token, key_begin, key_end, num_tiles, thread);
+    ProduceTiles<kLayout, kPaired>(smem, p, token, key_begin, key_end, num_tiles, thread);
     return;
   }
+  // Waits until buffer `tile % 2` holds the tile (with kPaired, the peer's rows too).
+  const auto wait_for_tile = [&](int tile) {
+    const int buffer = tile % kBuffers;
+    WaitPhase<kPaired>(smem.ready + buffer, (tile / kBuffers) % 2);
+    if constexpr (kPaired) WaitPhase<true>(smem.peer_ready + buffer, (tile / kBuffers) % 2);
+  };
+  // One warpgroup's arrival on the buffer's `freed` (with kPaired, on both CTAs').
+  const auto free_buffer = [&](int buffer) {
+    if (thread != 0) return;
+    ArriveBarrier(smem.freed + buffer);
+    if constexpr (kPaired) ArrivePeerBarrier(PeerAddress(smem.freed + buffer, ClusterRank() ^ 1));
+  };
   float* query_unscale = smem.query_unscale;
   float* inverse_sum = smem.inverse_sum;
   // Rows of this thread's accumulators: 16 w + l / 4 and 8 more.
@@ -418,7 +550,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       const int buffer = tile % kBuffers;
       const uint64_t keys_operand = KMajor(smem.keys[buffer]);
       const uint64_t values_operand = ValueOperand(smem.keys[buffer], 0);
-      WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
+      wait_for_tile(tile);
       float score[32];
       FenceAccumulators(score);
       cute::warpgroup_arrive();
@@ -478,7 +610,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       NamedBarrierSync(kScoreGroup, 128);  // all of P is written before this warpgroup's MMAs
       NamedBarrierArrive(kProbsReady, 256);
       AccumulateValues<ValuesMma>(out, rescale[0], rescale[1], probs_operand, values_operand);
-      if (thread == 0) ArriveBarrier(smem.freed + buffer);
+      free_buffer(buffer);
     }
     // l and lse per row; 1 / l for both warpgroups.
     constexpr float kLn2 = 0.6931471805599453f;
@@ -504,6 +636,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
     }
     NamedBarrierSync(kConsumers, 256);
     WriteOutput(out, p, inverse_sum, token, split, head_begin, 0, row0, row1, column_in_block);
+    // The peer may still arrive on this CTA's barriers until it is done with its last tile.
+    if constexpr (kPaired) ClusterSync();
   } else {
     SetRegisters<kValueRegisters>();
     LoadQuery<kLayout>(smem, p, token, head_begin, threadIdx.x, query_unscale);
@@ -513,16 +647,17 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       const int buffer = tile % kBuffers;
       const uint64_t values_operand = ValueOperand(smem.keys[buffer], 256);
       NamedBarrierSync(kProbsReady, 256);
-      // Already complete (warpgroup 0 waited before its scores): orders the producer's stores
+      // Already complete (warpgroup 0 waited before its scores): orders the producers' stores
       // before this warpgroup's MMAs directly.
-      WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
+      wait_for_tile(tile);
       AccumulateValues<ValuesMma>(out, smem.rescale[row0], smem.rescale[row1], probs_operand,
                                   values_operand);
       if (tile + 1 < num_tiles) NamedBarrierArrive(kProbsRead, 256);
-      if (thread == 0) ArriveBarrier(smem.freed + buffer);
+      free_buffer(buffer);
     }
     NamedBarrierSync(kConsumers, 256);  // inverse_sum is written
     WriteOutput(out, p, inverse_sum, token, split, head_begin, 1, row0, row1, column_in_block);
+    if constexpr (kPaired) ClusterSync();
   }
 }
 

@@ -16,10 +16,12 @@ With more than 32 heads, a second kernel (`ffi/sm90_fp8_wide_kernel.cuh`) runs 6
 warpgroup MMAs (wgmma): a producer warpgroup converts each tile's rows once into shared memory (e4m3
 exactly to f16; fp8_ds_mla dequantised to bf16, value times tile scale rounded once, next to its
 bf16 RoPE dims), one consumer warpgroup computes S, the softmax and half of P V, the other the other
-half. Rounding fp8_ds_mla's dequantised values to bf16 (FlashMLA's Hopper kernel does the same) costs
-accuracy that the first kernel, which applies the tile scales in float32, does not: up to 2^-9
-relative per key value, which on the GPU tests' data moves lse by up to ~0.04 from the pure-JAX path
-(which dequantises in float32); e4m3 values convert exactly in both kernels.
+half. With two head groups (65 to 128 heads) the two CTAs of a token run as a 2-CTA cluster whose
+producers each convert half of every tile into both CTAs' shared memory. Rounding fp8_ds_mla's
+dequantised values to bf16 (FlashMLA's Hopper kernel does the same) costs accuracy that the first
+kernel, which applies the tile scales in float32, does not: up to 2^-9 relative per key value,
+which on the GPU tests' data moves lse by up to ~0.04 from the pure-JAX path (which dequantises in
+float32); e4m3 values convert exactly in both kernels.
 
 Work split: one CTA per (token, group of 16, 32 or 64 heads, split of the top-k list). A static plan
 per shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel

@@ -128,7 +128,8 @@ def test_fp8_caches_select_this_kernel():
 
 
 # T in {1, 7, 128, 1024} x H in {16, 32, 64, 128} x K in {128, 2048}: each value, each head group size
-# (16/32/64 per CTA), one and many splits, odd head counts (padded groups) and K beyond one split.
+# (16/32/64 per CTA; 128 and 100 heads: the 64-head kernel's 2-CTA clusters), one and many splits,
+# odd head counts (padded groups) and K beyond one split.
 GRID = [(1, 16, 128), (1, 128, 2048), (7, 32, 2048), (7, 64, 128), (128, 16, 2048),
         (128, 128, 2048), (1024, 64, 2048), (1024, 16, 128), (5, 20, 2048), (3, 100, 4224),
         (130, 48, 512)]
