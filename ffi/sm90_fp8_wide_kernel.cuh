@@ -123,20 +123,6 @@ __device__ __forceinline__ void StorePeer(uint32_t peer_address, uint2 value,
       : "memory");
 }
 
-// Waits for a barrier phase that threads of the other CTA may have completed (acquire at cluster
-// scope, so their stores are visible here).
-__device__ __forceinline__ void WaitClusterBarrier(uint64_t* barrier, uint32_t phase) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait;\n"
-      "}\n" ::"r"(SmemAddress(barrier)),
-      "r"(phase)
-      : "memory");
-}
-
 // Sets this warpgroup's registers per thread: setmaxnreg.inc may only raise the count the launch
 // gave, and .dec only lower it (either the wrong way is an illegal instruction).
 template <int kCount>
@@ -327,16 +313,6 @@ __device__ __forceinline__ void ScaledBf16Columns(uint4 bytes, float scale, uint
   high = make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-// Waits for a barrier phase; paired CTAs acquire at cluster scope (the other CTA's threads arrive).
-template <bool kPaired>
-__device__ __forceinline__ void WaitPhase(uint64_t* barrier, uint32_t phase) {
-  if constexpr (kPaired) {
-    WaitClusterBarrier(barrier, phase);
-  } else {
-    WaitBarrier(barrier, phase);
-  }
-}
-
 // Bytes the peer's producer stores into a CTA's buffer per tile (kPaired): its 32 rows of 72
 // columns and, per warp, the valid flags of its 8 rows.
 inline constexpr uint32_t kPeerTileBytes = kBlockN / 2 * (kOperandBytes / kBlockN) + 4 * 8;
@@ -383,7 +359,7 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
   const auto convert = [&](int round, bool valid, const Registers& raw) {
     const int tile = round / kRounds, buffer = tile % kBuffers, row = row_of(round);
     if (round % kRounds == 0 && tile >= kBuffers) {
-      WaitPhase<kPaired>(smem.freed + buffer, (tile / kBuffers - 1) % 2);
+      WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
     }
     uint8_t* keys = smem.keys[buffer];
     uint32_t peer_keys = 0, peer_ready = 0;
@@ -521,8 +497,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   // Waits until buffer `tile % 2` holds the tile (with kPaired, the peer's rows too).
   const auto wait_for_tile = [&](int tile) {
     const int buffer = tile % kBuffers;
-    WaitPhase<kPaired>(smem.ready + buffer, (tile / kBuffers) % 2);
-    if constexpr (kPaired) WaitPhase<true>(smem.peer_ready + buffer, (tile / kBuffers) % 2);
+    WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
+    if constexpr (kPaired) WaitBarrier(smem.peer_ready + buffer, (tile / kBuffers) % 2);
   };
   // One warpgroup's arrival on the buffer's `freed` (with kPaired, on both CTAs').
   const auto free_buffer = [&](int buffer) {
