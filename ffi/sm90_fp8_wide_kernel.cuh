@@ -324,9 +324,9 @@ inline constexpr uint32_t kPeerTileBytes = kBlockN / 2 * (kOperandBytes / kBlock
 // and converted once per token for 128 heads. Lane l of warp w takes row 8 w + l % 8 of the round
 // and the chunks of part l / 8 (RowChunks): a warp reads 64 contiguous bytes per row, and each
 // quarter warp stores 8 rows' 16 bytes of one column, 128 contiguous bytes (no bank conflicts).
-// A round's loads go into the register set the round before last converted and are issued before
-// this round's conversion (and its wait for a free buffer), so their latency overlaps a whole round;
-// the slots are read one round earlier still.
+// The loads of round r + 1 go into the other of two register sets and are issued before round r is
+// converted (and before its wait for a free buffer), so their latency overlaps a whole round; the
+// slots are read one round earlier still.
 template <KvLayout kLayout, bool kPaired>
 __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p, int token,
                                              int key_begin, int key_end, int num_tiles,
@@ -494,7 +494,9 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
     ProduceTiles<kLayout, kPaired>(smem, p, token, key_begin, key_end, num_tiles, thread);
     return;
   }
-  // Waits until buffer `tile % 2` holds the tile (with kPaired, the peer's rows too).
+  // Waits until buffer `tile % 2` holds the tile (with kPaired, the peer's rows too). The waits are
+  // CTA-scoped also where the other CTA completes the phase (its st.async bytes, its arrivals on
+  // `freed`), as in CUTLASS's cluster pipelines: the barrier and the data are this CTA's.
   const auto wait_for_tile = [&](int tile) {
     const int buffer = tile % kBuffers;
     WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
