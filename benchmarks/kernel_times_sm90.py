@@ -11,7 +11,7 @@ Run under Nsight Compute, which times each kernel on its own (no launch gaps, no
 For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: `--calls` calls of
 jax.jit(sparse_mla_decode(..., implementation="native")) (bf16 cache: PackAndClamp, then FlashInfer's
 BatchMLAPageAttentionHopperKernel as compiled by this package's build; fp8 / fp8_ds_mla caches: our
-SparseMlaFp8DecodeKernel, or SparseMlaFp8WideDecodeKernel with more than 32 heads, then
+SparseMlaFp8DecodeKernel, or SparseMlaFp8WideDecodeKernel with more than 16 heads, then
 MergeSplitsKernel when the plan splits) and, for bf16 and fp8 caches,
 as many BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled
 by FlashInfer's JIT). The script prints the order; ncu prints the times. `--summarize` reads ncu's

@@ -66,9 +66,9 @@ cudaError_t LaunchDecode(const DecodeParams& params, cudaStream_t stream) {
       params, stream);
 }
 
-// Heads per CTA: 16 or 32 (the mma.sync kernel of sm90_fp8_kernel.cuh) or 64 (the warpgroup-MMA
-// kernel of sm90_fp8_wide_kernel.cuh; for two head groups its paired form, one cluster per token
-// and split).
+// Heads per CTA: 16 (the mma.sync kernel of sm90_fp8_kernel.cuh) or 64 (the warpgroup-MMA kernel
+// of sm90_fp8_wide_kernel.cuh; for two head groups its paired form, one cluster per token and
+// split).
 template <KvLayout kLayout>
 cudaError_t LaunchForHeads(int heads_per_cta, const DecodeParams& params, cudaStream_t stream) {
   if (heads_per_cta == 64 && (params.num_heads + wide::kHeads - 1) / wide::kHeads == 2) {
@@ -79,8 +79,7 @@ cudaError_t LaunchForHeads(int heads_per_cta, const DecodeParams& params, cudaSt
     return Launch<wide::SparseMlaFp8WideDecodeKernel<kLayout, false>, wide::kHeads,
                   wide::kThreads, sizeof(wide::Shared)>(params, stream);
   }
-  return heads_per_cta == 16 ? LaunchDecode<TileConfig<1, kLayout>>(params, stream)
-                             : LaunchDecode<TileConfig<2, kLayout>>(params, stream);
+  return LaunchDecode<TileConfig<kLayout>>(params, stream);
 }
 
 ffi::Error Sm90Fp8Decode(cudaStream_t stream,
@@ -116,8 +115,8 @@ ffi::Error Sm90Fp8Decode(cudaStream_t stream,
   if (valid_counts.dimensions().size() != 1 || valid_counts.dimensions()[0] != num_tokens) {
     return ArgumentError("valid_counts must be [T]");
   }
-  if (heads_per_cta != 16 && heads_per_cta != 32 && heads_per_cta != 64) {
-    return ArgumentError("heads_per_cta must be 16, 32 or 64");
+  if (heads_per_cta != 16 && heads_per_cta != 64) {
+    return ArgumentError("heads_per_cta must be 16 or 64");
   }
   const int64_t num_keys = index_dims[1];
   if (num_splits < 1 || keys_per_split < 1 || keys_per_split > kMaxKeysPerSplit ||

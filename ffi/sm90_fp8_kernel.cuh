@@ -1,22 +1,25 @@
 // Sparse MLA decode over an fp8 KV cache for SM90, our own kernel (no FlashInfer code).
 //
-// One CTA computes kHeads = 16 * kRowGroups heads (16 or 32) of one query token over one split of
-// its top-k slot list, with 8 warps. Per tile of 64 slots:
-//   1. bulk copies (the copy engine, one per valid slot: a 576- or 656-byte row) bring the tile's
-//      rows into a raw fp8 stage and complete on the stage's mbarrier; invalid slots (-1 holes,
-//      out of range, past the valid count) are never read, and whatever their stage rows hold is
-//      discarded by selects;
-//   2. S = Q K^T with f16 mma.sync (fp32 accumulate). The warps split the work by keys (two halves
-//      of 32) and by dims (four groups: one 128-dim latent tile plus 16 RoPE dims each), so every
-//      fp8 value of the tile is read from shared memory and converted once per CTA, and each warp
-//      keeps its slice of Q in registers for the whole split. The four dim groups' partial scores
-//      go through shared memory;
-//   3. a softmax pass over whole rows (16 / kRowGroups threads per row) sums the partials, masks
-//      invalid slots, updates the running max and sum (base 2) and writes P once;
-//   4. O += P V with mma.sync, each warp owning 64 of the 512 output columns for all of the CTA's
-//      heads (the running output is rescaled only when some row's max moved).
-// Steps 2 and 4 of consecutive tiles share a stretch between two barriers: the scores of tile t + 1
-// are computed next to P V of tile t.
+// One CTA computes kHeads = 16 heads of one query token over one split of its top-k slot list, with
+// 8 consumer warps and 4 producer warps. Per tile of 64 slots:
+//   1. the producers issue bulk copies (the copy engine, one per valid slot: a 576- or 656-byte row)
+//      that bring the tile's rows into a raw fp8 stage and complete on the stage's mbarrier;
+//      invalid slots (-1 holes, out of range, past the valid count) are never read, and whatever
+//      their stage rows hold is discarded by selects. A copy takes uniform operands, so a warp's
+//      copies go out one after another: in warps of their own they no longer hold up the MMAs;
+//   2. S = Q K^T with f16 mma.sync (fp32 accumulate). The consumers split the work by keys (two
+//      halves of 32) and by dims (four groups: one 128-dim latent tile plus 16 RoPE dims each), so
+//      every fp8 value of the tile is read from shared memory and converted once per CTA, and each
+//      warp keeps its slice of Q in registers for the whole split. The four dim groups' partial
+//      scores go through shared memory;
+//   3. a softmax pass over whole rows (16 threads per row) sums the partials, masks invalid slots,
+//      updates the running max and sum (base 2) and writes P once;
+//   4. O += P V with mma.sync, each consumer warp owning 64 of the 512 output columns for all heads
+//      (the running output is rescaled only when some row's max moved).
+// Between two consumer barriers each warp runs the softmax of tile t + 1, P V of tile t and the
+// scores of tile t + 2 (partial scores, P and rescale factors are double-buffered), so one warp's
+// MMAs overlap another's softmax latencies; then a consumer releases tile t's stage to the
+// producers through the stage's `freed` mbarrier.
 // The MMAs read the fp8 rows where the copies put them (ldmatrix moves byte pairs as 16-bit
 // elements). For S, each register of four keys' bytes becomes two f16 pairs through the
 // conversion instructions (exact); Q is held after a power-of-two row scale (ScaleQueryRows; the
@@ -30,7 +33,7 @@
 // back in order when written. The per-tensor scale multiplies the scores and the output,
 // fp8_ds_mla's tile scales multiply each 128-dim partial dot product and, for P V, the
 // probabilities of each key (one P per 128-column tile).
-// The raw stages form a kStages-deep pipeline: the copies of later tiles overlap steps 2-4.
+// The raw stages form a kStages-deep ring: the copies of later tiles overlap steps 2-4.
 //
 // With one split the CTA writes out / lse directly; otherwise it writes a normalised fp32 partial
 // and its base-2 lse, and MergeSplits combines the splits. A row with no valid slot ends with
@@ -47,8 +50,11 @@ namespace jax_sparse_mla::fp8 {
 
 inline constexpr int kQkDim = 576;
 inline constexpr int kVDim = 512;
-inline constexpr int kThreads = 256;
-inline constexpr int kWarps = kThreads / 32;
+// Warps 0-7 compute (the consumers); warps 8-11 gather the tiles' rows (the producers).
+inline constexpr int kConsumerThreads = 256;
+inline constexpr int kConsumerWarps = kConsumerThreads / 32;
+inline constexpr int kProducerWarps = 4;
+inline constexpr int kThreads = kConsumerThreads + 32 * kProducerWarps;
 inline constexpr int kBlockN = 64;  // slots per tile
 // Largest slot range one split covers: the split's slots are staged in shared memory.
 inline constexpr int kMaxKeysPerSplit = 2048;
@@ -81,10 +87,9 @@ struct DecodeParams {
   bool lse_base_e;
 };
 
-template <int kRowGroups_, KvLayout kLayout_>
+template <KvLayout kLayout_>
 struct TileConfig {
-  static constexpr int kRowGroups = kRowGroups_;  // 16-row MMA tiles of heads per warp
-  static constexpr int kHeads = 16 * kRowGroups;
+  static constexpr int kHeads = 16;  // one 16-row MMA tile
   static constexpr KvLayout kLayout = kLayout_;
   static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
   static constexpr int kStages = 4;
@@ -100,19 +105,20 @@ struct TileConfig {
   // P V as bf16 MMAs on integer-widened values (fp8_ds_mla), or as f16 MMAs on converted ones.
   static constexpr bool kPvBf16 = kDsMla;
 
-  // Q is only read before the first tile, so the partial scores reuse its bytes.
+  // Q is only read before the first tile, so the partial scores reuse its bytes. Partial scores,
+  // P and the rescale factors are double-buffered: a tile's softmax runs beside the next tile's
+  // scores and the previous tile's P V.
   static constexpr int kQBytes = kHeads * kQStride * 2;
-  static constexpr int kPartialBytes = 4 * kHeads * kPartialStride * 4;
+  static constexpr int kPartialBytes = 2 * 4 * kHeads * kPartialStride * 4;
   static constexpr int kUnionBytes = kQBytes > kPartialBytes ? kQBytes : kPartialBytes;
   static constexpr int kRawBytes = kStages * kBlockN * kRawStride;
-  static constexpr int kPBytes = kPVersions * kHeads * kPStride * 2;
-  static constexpr int kRowBytesShared = 3 * kHeads * 4;  // rescale, final 1/sum, 1 / Q's scale
+  static constexpr int kPBytes = 2 * kPVersions * kHeads * kPStride * 2;
+  static constexpr int kRowBytesShared = 4 * kHeads * 4;  // 2 rescales, final 1/sum, 1/Q's scale
   static constexpr int kSlotBytes = kMaxKeysPerSplit * 4;
-  static constexpr int kBarrierBytes = kStages * 8;
+  static constexpr int kBarrierBytes = 2 * kStages * 8;
   static constexpr int kSmemBytes =
       kUnionBytes + kRawBytes + kPBytes + kRowBytesShared + kSlotBytes + kBarrierBytes;
 
-  static_assert(kRowGroups == 1 || kRowGroups == 2);
   static_assert(kMaxKeysPerSplit % kBlockN == 0);
   static_assert(kSmemBytes <= 227 * 1024);
 };
@@ -136,6 +142,15 @@ __device__ __forceinline__ void ArriveExpectBytes(uint64_t* barrier, uint32_t by
                    SmemAddress(barrier)),
                "r"(bytes)
                : "memory");
+}
+
+__device__ __forceinline__ void Arrive(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddress(barrier)) : "memory");
+}
+
+// The consumer warps' barrier (the producers never wait on it).
+__device__ __forceinline__ void ConsumerSync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
 }
 
 __device__ __forceinline__ void WaitBarrier(uint64_t* barrier, uint32_t phase) {
@@ -260,14 +275,15 @@ inline constexpr float kResultScale = 0x1p60f;
 template <typename Config>
 struct SharedTile {
   uint16_t* q;            // [kHeads, kQStride]: Q as StoreQueryRows leaves it; before tile 0
-  float* partial;         // [4 dim groups, kHeads, kPartialStride] scores; the bytes of q
+  float* partial;         // [2][4 dim groups, kHeads, kPartialStride] scores; the bytes of q
   uint8_t* raw;           // [kStages, kBlockN, kRawStride]
-  uint16_t* probs;        // [kPVersions, kHeads, kPStride]: P as f16 (e4m3) or bf16 (fp8_ds_mla)
-  float* rescale;         // [kHeads]: factor on the running output before this tile's P V
+  uint16_t* probs;        // [2][kPVersions, kHeads, kPStride]: P as f16 (e4m3) / bf16 (fp8_ds_mla)
+  float* rescale;         // [2][kHeads]: factor on the running output before a tile's P V
   float* inverse_sum;     // [kHeads]: 1 / l after the last tile, 0 for a row without valid slots
   float* query_unscale;   // [kHeads]: 1 / the power of two Q's row was scaled by
   int32_t* slots;         // [kMaxKeysPerSplit]: the split's slots, -1 where invalid
   uint64_t* landed;       // [kStages]: mbarriers, a stage's rows have arrived
+  uint64_t* freed;        // [kStages]: mbarriers, the consumers are done with a stage's rows
 
   __device__ explicit SharedTile(uint8_t* base)
       : q(reinterpret_cast<uint16_t*>(base)),
@@ -275,34 +291,35 @@ struct SharedTile {
         raw(base + Config::kUnionBytes),
         probs(reinterpret_cast<uint16_t*>(raw + Config::kRawBytes)),
         rescale(reinterpret_cast<float*>(raw + Config::kRawBytes + Config::kPBytes)),
-        inverse_sum(rescale + Config::kHeads),
+        inverse_sum(rescale + 2 * Config::kHeads),
         query_unscale(inverse_sum + Config::kHeads),
         slots(reinterpret_cast<int32_t*>(query_unscale + Config::kHeads)),
-        landed(reinterpret_cast<uint64_t*>(slots + kMaxKeysPerSplit)) {}
+        landed(reinterpret_cast<uint64_t*>(slots + kMaxKeysPerSplit)),
+        freed(landed + Config::kStages) {}
 };
 
-// Every warp issues one bulk copy per valid slot among its 8 rows of the tile (lanes 0-7; the copy
-// takes uniform operands, so the lanes' copies go out one after another) and arrives once on the
-// stage's barrier. Rows of invalid slots keep whatever the stage held (possibly another CTA's
-// bytes): scores and scales computed from them are discarded by selects on the slot, never by
-// multiplying by 0. Their values, which P V's f16 MMAs multiply by P = 0, are zeroed (an e4m3 NaN
-// code would convert to NaN; integer widening makes every byte finite).
-inline constexpr int kRowsPerWarp = kBlockN / kWarps;
+// Producer warp `producer` issues one bulk copy per valid slot among its kRowsPerWarp rows of the
+// tile (the copy takes uniform operands, so the lanes' copies go out one after another) and
+// arrives once on the stage's barrier. Rows of invalid slots keep whatever the stage held (possibly
+// another CTA's bytes): scores and scales computed from them are discarded by selects on the slot,
+// never by multiplying by 0. Their values, which P V's f16 MMAs multiply by P = 0, are zeroed
+// before the arrival that publishes them (an e4m3 NaN code would convert to NaN; integer widening
+// makes every byte finite).
+inline constexpr int kRowsPerWarp = kBlockN / kProducerWarps;
 
 template <typename Config>
 __device__ __forceinline__ void GatherTile(const SharedTile<Config>& smem, const uint8_t* kv,
-                                           int tile, int stage, int warp, int lane) {
-  const int row = warp * kRowsPerWarp + lane;
+                                           int tile, int stage, int producer, int lane) {
+  const int row = producer * kRowsPerWarp + lane;
   uint64_t* landed = smem.landed + stage;
   const int32_t slot = lane < kRowsPerWarp ? smem.slots[tile * kBlockN + row] : -1;
   const int valid_rows = __popc(__ballot_sync(0xffffffffu, slot >= 0));
-  if (lane == 0) ArriveExpectBytes(landed, valid_rows * Config::kRowBytes);
   if constexpr (!Config::kPvBf16) {
     uint32_t invalid_rows = __ballot_sync(0xffffffffu, lane < kRowsPerWarp && slot < 0);
     if (invalid_rows != 0) {
       static_assert(kVDim == 32 * 16);
       do {
-        const int invalid_row = warp * kRowsPerWarp + __ffs(invalid_rows) - 1;
+        const int invalid_row = producer * kRowsPerWarp + __ffs(invalid_rows) - 1;
         reinterpret_cast<uint4*>(
             smem.raw + (stage * kBlockN + invalid_row) * Config::kRawStride)[lane] =
             make_uint4(0, 0, 0, 0);
@@ -310,8 +327,10 @@ __device__ __forceinline__ void GatherTile(const SharedTile<Config>& smem, const
       } while (invalid_rows != 0);
       // Ordered before later bulk copies into these rows (the copy engine is another proxy).
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncwarp();  // every lane's zeros before lane 0's arrival
     }
   }
+  if (lane == 0) ArriveExpectBytes(landed, valid_rows * Config::kRowBytes);
   if (slot >= 0) {
     CopyBulk(smem.raw + (stage * kBlockN + row) * Config::kRawStride,
              kv + int64_t{slot} * Config::kRowBytes, Config::kRowBytes, landed);
@@ -342,9 +361,10 @@ __device__ __forceinline__ void StoreQueryRows(const SharedTile<Config>& smem,
 // scaled exactly). Within each 16-dim
 // block the pairs go in the order 0, 2, 4, 6, 1, 3, 5, 7: the MMA's k slots 2q, 2q+1, 2q+8, 2q+9
 // then hold dims 4q..4q+3, as the key fragments do (bytes 0 and 1, then 2 and 3, of a register).
+// Run by the consumer threads.
 template <typename Config>
 __device__ __forceinline__ void ScaleQueryRows(const SharedTile<Config>& smem) {
-  constexpr int kThreadsPerRow = kThreads / Config::kHeads;
+  constexpr int kThreadsPerRow = kConsumerThreads / Config::kHeads;
   constexpr int kFp8Blocks = (Config::kDsMla ? kVDim : kQkDim) / 16;
   const int row = threadIdx.x / kThreadsPerRow, first = threadIdx.x % kThreadsPerRow;
   uint16_t* q_row = smem.q + row * Config::kQStride;
@@ -399,7 +419,6 @@ template <typename Config>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const DecodeParams p) {
   extern __shared__ __align__(128) uint8_t shared_bytes[];
   const SharedTile<Config> smem(shared_bytes);
-  constexpr int kRows = Config::kRowGroups;
   constexpr int kHeads = Config::kHeads;
   constexpr int kStages = Config::kStages;
   constexpr int kStride = Config::kRawStride;
@@ -423,61 +442,70 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     const int32_t slot = position < key_end ? token_indices[position] : -1;
     smem.slots[i] = (slot >= 0 && slot < p.num_slots) ? slot : -1;
   }
-  if (threadIdx.x < kStages) InitBarrier(smem.landed + threadIdx.x, kWarps);
+  if (threadIdx.x < kStages) {
+    InitBarrier(smem.landed + threadIdx.x, kProducerWarps);
+    InitBarrier(smem.freed + threadIdx.x, 1);
+  }
   StoreQueryRows(smem, p, token, head_begin);
-  __syncthreads();
+  __syncthreads();  // the slots, barriers and Q are in shared memory
+
+  // The producers gather every tile as soon as its stage is free: tile t + kStages goes into the
+  // stage of tile t once the consumers have released it.
+  if (warp >= kConsumerWarps) {
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int stage = tile % kStages;
+      if (tile >= kStages) WaitBarrier(smem.freed + stage, (tile / kStages - 1) % 2);
+      GatherTile(smem, p.kv, tile, stage, warp - kConsumerWarps, lane);
+    }
+    return;
+  }
+
   ScaleQueryRows(smem);
-  __syncthreads();
+  ConsumerSync();
 
   // Scores: this warp's keys 32 * key_half + [0, 32) over dim group `dim_group`: latent dims
   // 128 * dim_group + [0, 128) (k-steps 0-7) and RoPE dims 512 + 16 * dim_group + [0, 16)
   // (k-step 8).
   const int key_half = warp / 4, dim_group = warp % 4;
-  uint32_t q_frag[kRows][9][4];
+  uint32_t q_frag[9][4];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-    for (int step = 0; step < 9; ++step) {
-      const int dim = step < 8 ? 128 * dim_group + 16 * step : kVDim + 16 * dim_group;
-      LoadMatrixX4(q_frag[r][step],
-                   smem.q + (16 * r + lane % 16) * Config::kQStride + dim + (lane / 16) * 8);
-    }
+  for (int step = 0; step < 9; ++step) {
+    const int dim = step < 8 ? 128 * dim_group + 16 * step : kVDim + 16 * dim_group;
+    LoadMatrixX4(q_frag[step], smem.q + (lane % 16) * Config::kQStride + dim + (lane / 16) * 8);
   }
-  __syncthreads();  // Q is in registers: its bytes now hold partial scores
+  ConsumerSync();  // Q is in registers: its bytes now hold partial scores
 
-#pragma unroll
-  for (int stage = 0; stage < kStages - 1; ++stage) {
-    if (stage < num_tiles) GatherTile(smem, p.kv, stage, stage, warp, lane);
-  }
-
-  // Softmax: kThreadsPerRow threads per row, each holding keys 4 * chunk + 64 / kRows * j + [0, 4).
-  // Its row's score scale also undoes the power of two Q's row was scaled by.
-  constexpr int kThreadsPerRow = kThreads / kHeads;
+  // Softmax: kThreadsPerRow threads per row, each holding keys 4 * chunk + [0, 4). Its row's score
+  // scale also undoes the power of two Q's row was scaled by.
+  constexpr int kThreadsPerRow = kConsumerThreads / kHeads;
   const int softmax_row = threadIdx.x / kThreadsPerRow;
   const int softmax_chunk = threadIdx.x % kThreadsPerRow;
   const float score_scale = p.score_scale_log2 * smem.query_unscale[softmax_row];
   float row_max = -INFINITY;
   float row_sum = 0.0f;  // this thread's keys only; reduced over the row at the end
 
-  // P V: this warp's 64 output columns for all rows. Per row group, per 16 columns, two m16n8 tiles
-  // (even and odd columns); a thread holds columns 4 * quad_lane + {0..3} of each 16.
+  // P V: this warp's 64 output columns for all rows. Per 16 columns, two m16n8 tiles (even and odd
+  // columns); a thread holds columns 4 * quad_lane + {0..3} of each 16.
   const int column0 = warp * 64;
-  float acc[kRows][8][4];
+  float acc[8][4];
 #pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[r][i][0] = acc[r][i][1] = acc[r][i][2] = acc[r][i][3] = 0.0f;
+  for (int i = 0; i < 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+
+  // Tile t's partial scores, P and rescale factors live in buffer t % 2.
+  const auto partial_buffer = [&](int tile) {
+    return smem.partial + (tile % 2) * 4 * kHeads * Config::kPartialStride;
+  };
+  const auto probs_buffer = [&](int tile) {
+    return smem.probs + (tile % 2) * Config::kPVersions * kHeads * Config::kPStride;
+  };
+  const auto rescale_buffer = [&](int tile) { return smem.rescale + (tile % 2) * kHeads; };
 
   // Partial scores of this warp's keys and dim group for `tile` (its rows have landed).
   const auto scores = [&](int tile) {
     const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * kStride;
-    float score[kRows][4][4];
+    float score[4][4];
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int n = 0; n < 4; ++n) {
-        score[r][n][0] = score[r][n][1] = score[r][n][2] = score[r][n][3] = 0.0f;
-      }
+    for (int n = 0; n < 4; ++n) score[n][0] = score[n][1] = score[n][2] = score[n][3] = 0.0f;
     // ldmatrix rows: key 32 * key_half + 8 n + lane % 8, 16-byte block lane / 8 of 64 dims.
     const uint8_t* k_lane =
         raw + (32 * key_half + lane % 8) * kStride + 128 * dim_group + (lane / 8) * 16;
@@ -492,10 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
         for (int n = 0; n < 4; ++n) {
           uint32_t b0, b1;
           E4m3ToF16Pairs(k_frag[n][step], b0, b1);
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            Mma<MmaInputs::kF16>(score[r][n], q_frag[r][4 * half + step], b0, b1);
-          }
+          Mma<MmaInputs::kF16>(score[n], q_frag[4 * half + step], b0, b1);
         }
       }
     }
@@ -507,13 +532,10 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
         const int key = 32 * key_half + 8 * n + 2 * quad_lane;
         const float scale0 = Component(TileScales<Config>(raw, key), dim_group);
         const float scale1 = Component(TileScales<Config>(raw, key + 1), dim_group);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          score[r][n][0] *= scale0;
-          score[r][n][1] *= scale1;
-          score[r][n][2] *= scale0;
-          score[r][n][3] *= scale1;
-        }
+        score[n][0] *= scale0;
+        score[n][1] *= scale1;
+        score[n][2] *= scale0;
+        score[n][3] *= scale1;
       }
       const uint8_t* rope_lane = raw + (32 * key_half + 8 * (lane / 16) + lane % 8) * kStride +
                                  kVDim + 16 + 32 * dim_group + ((lane / 8) % 2) * 16;
@@ -521,11 +543,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
       for (int pair = 0; pair < 2; ++pair) {
         uint32_t b[4];
         LoadMatrixX4(b, rope_lane + 16 * pair * kStride);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          Mma<MmaInputs::kBf16>(score[r][2 * pair], q_frag[r][8], b[0], b[1]);
-          Mma<MmaInputs::kBf16>(score[r][2 * pair + 1], q_frag[r][8], b[2], b[3]);
-        }
+        Mma<MmaInputs::kBf16>(score[2 * pair], q_frag[8], b[0], b[1]);
+        Mma<MmaInputs::kBf16>(score[2 * pair + 1], q_frag[8], b[2], b[3]);
       }
     } else {  // e4m3 RoPE dims: one 8-key matrix of 16 bytes per key tile
       uint32_t b[4];
@@ -534,55 +553,43 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
       for (int n = 0; n < 4; ++n) {
         uint32_t b0, b1;
         E4m3ToF16Pairs(b[n], b0, b1);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) Mma<MmaInputs::kF16>(score[r][n], q_frag[r][8], b0, b1);
+        Mma<MmaInputs::kF16>(score[n], q_frag[8], b0, b1);
       }
     }
-    float* partial = smem.partial + dim_group * kHeads * Config::kPartialStride;
+    float* partial = partial_buffer(tile) + dim_group * kHeads * Config::kPartialStride;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+    for (int n = 0; n < 4; ++n)
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int row = 16 * r + quad + 8 * half;
-          const int key = 32 * key_half + 8 * n + 2 * quad_lane;
-          *reinterpret_cast<float2*>(partial + row * Config::kPartialStride + key) =
-              make_float2(score[r][n][2 * half], score[r][n][2 * half + 1]);
-        }
+      for (int half = 0; half < 2; ++half) {
+        const int row = quad + 8 * half;
+        const int key = 32 * key_half + 8 * n + 2 * quad_lane;
+        *reinterpret_cast<float2*>(partial + row * Config::kPartialStride + key) =
+            make_float2(score[n][2 * half], score[n][2 * half + 1]);
+      }
   };
 
   // Softmax over whole rows of `tile`: sum the dim groups, mask, online max and sum, P.
   const auto softmax = [&](int tile) {
     const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * kStride;
-    float prob[kRows][4];
-    bool valid[kRows][4];
-    float tile_max = -INFINITY;
+    const float* partial = partial_buffer(tile);
+    const int key = 4 * softmax_chunk;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int g = 0; g < 4; ++g) {
-        const float4 part = *reinterpret_cast<const float4*>(
-            smem.partial + (g * kHeads + softmax_row) * Config::kPartialStride + key);
-        sum.x += part.x;
-        sum.y += part.y;
-        sum.z += part.z;
-        sum.w += part.w;
-      }
-      const int4 slot = *reinterpret_cast<const int4*>(smem.slots + tile * kBlockN + key);
-      valid[j][0] = slot.x >= 0;
-      valid[j][1] = slot.y >= 0;
-      valid[j][2] = slot.z >= 0;
-      valid[j][3] = slot.w >= 0;
-      prob[j][0] = valid[j][0] ? sum.x * score_scale : -INFINITY;
-      prob[j][1] = valid[j][1] ? sum.y * score_scale : -INFINITY;
-      prob[j][2] = valid[j][2] ? sum.z * score_scale : -INFINITY;
-      prob[j][3] = valid[j][3] ? sum.w * score_scale : -INFINITY;
-#pragma unroll
-      for (int c = 0; c < 4; ++c) tile_max = fmaxf(tile_max, prob[j][c]);
+    for (int g = 0; g < 4; ++g) {
+      const float4 part = *reinterpret_cast<const float4*>(
+          partial + (g * kHeads + softmax_row) * Config::kPartialStride + key);
+      sum.x += part.x;
+      sum.y += part.y;
+      sum.z += part.z;
+      sum.w += part.w;
     }
+    const int4 slot = *reinterpret_cast<const int4*>(smem.slots + tile * kBlockN + key);
+    const bool valid[4] = {slot.x >= 0, slot.y >= 0, slot.z >= 0, slot.w >= 0};
+    float prob[4] = {valid[0] ? sum.x * score_scale : -INFINITY,
+                     valid[1] ? sum.y * score_scale : -INFINITY,
+                     valid[2] ? sum.z * score_scale : -INFINITY,
+                     valid[3] ? sum.w * score_scale : -INFINITY};
+    float tile_max = fmaxf(fmaxf(prob[0], prob[1]), fmaxf(prob[2], prob[3]));
 #pragma unroll
     for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, offset));
@@ -593,62 +600,51 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     const float rescale = Exp2(row_max - base);
     row_max = new_max;
     row_sum *= rescale;
-    if (softmax_chunk == 0) smem.rescale[softmax_row] = rescale;
+    if (softmax_chunk == 0) rescale_buffer(tile)[softmax_row] = rescale;
 #pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-      const int key = 4 * softmax_chunk + (kBlockN / kRows) * j;
+    for (int c = 0; c < 4; ++c) {
+      prob[c] = Exp2(prob[c] - base);
+      row_sum += prob[c];
+    }
+    float4 key_scales[4];
+    if constexpr (kDsMla) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) key_scales[c] = TileScales<Config>(raw, key + c);
+    }
+    uint16_t* probs = probs_buffer(tile);
+#pragma unroll
+    for (int version = 0; version < Config::kPVersions; ++version) {
+      float value[4];
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        prob[j][c] = Exp2(prob[j][c] - base);
-        row_sum += prob[j][c];
+        // An invalid slot's row (and so its scales) is whatever the stage held: select 0.
+        value[c] = valid[c] ? (kDsMla ? prob[c] * kOperandScale * Component(key_scales[c], version)
+                                      : prob[c])
+                            : 0.0f;
       }
-      float4 key_scales[4];
-      if constexpr (kDsMla) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) key_scales[c] = TileScales<Config>(raw, key + c);
-      }
-#pragma unroll
-      for (int version = 0; version < Config::kPVersions; ++version) {
-        float value[4];
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          // An invalid slot's row (and so its scales) is whatever the stage held: select 0.
-          value[c] = valid[j][c] ? (kDsMla ? prob[j][c] * kOperandScale *
-                                                 Component(key_scales[c], version)
-                                           : prob[j][c])
-                                 : 0.0f;
-        }
-        *reinterpret_cast<uint2*>(smem.probs +
-                                  (version * kHeads + softmax_row) * Config::kPStride + key) =
-            Config::kPvBf16
-                ? make_uint2(PackBf16(value[0], value[1]), PackBf16(value[2], value[3]))
-                : make_uint2(PackF16(value[0], value[1]), PackF16(value[2], value[3]));
-      }
+      *reinterpret_cast<uint2*>(probs + (version * kHeads + softmax_row) * Config::kPStride + key) =
+          Config::kPvBf16 ? make_uint2(PackBf16(value[0], value[1]), PackBf16(value[2], value[3]))
+                          : make_uint2(PackF16(value[0], value[1]), PackF16(value[2], value[3]));
     }
   };
 
-  // O[:, this warp's columns] *= the rescale the last softmax wrote.
-  const auto rescale_output = [&]() {
-    float rescale[kRows][2];
+  // O[:, this warp's columns] *= `tile`'s rescale factors.
+  const auto rescale_output = [&](int tile) {
+    const float* rescale_rows = rescale_buffer(tile);
+    float rescale[2];
     bool any_rescale = false;  // once the row maxima settle, most tiles rescale by 1
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        rescale[r][half] = smem.rescale[16 * r + quad + 8 * half];
-        any_rescale |= rescale[r][half] != 1.0f;
-      }
+    for (int half = 0; half < 2; ++half) {
+      rescale[half] = rescale_rows[quad + 8 * half];
+      any_rescale |= rescale[half] != 1.0f;
     }
     if (__any_sync(0xffffffffu, any_rescale)) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
+      for (int half = 0; half < 2; ++half) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            acc[r][i][2 * half] *= rescale[r][half];
-            acc[r][i][2 * half + 1] *= rescale[r][half];
-          }
+        for (int i = 0; i < 8; ++i) {
+          acc[i][2 * half] *= rescale[half];
+          acc[i][2 * half + 1] *= rescale[half];
         }
       }
     }
@@ -659,15 +655,12 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
     const uint8_t* raw = smem.raw + (tile % kStages) * kBlockN * kStride;
     // fp8_ds_mla: the P whose keys carry the scales of this warp's 128-column tile.
     const uint16_t* p_lane =
-        smem.probs + ((kDsMla ? column0 / 128 : 0) * kHeads + lane % 16) * Config::kPStride +
+        probs_buffer(tile) + ((kDsMla ? column0 / 128 : 0) * kHeads + lane % 16) * Config::kPStride +
         (lane / 16) * 8;
 #pragma unroll
     for (int step = 0; step < kBlockN / 16; ++step) {
-      uint32_t a[kRows][4];
-#pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        LoadMatrixX4(a[r], p_lane + 16 * r * Config::kPStride + 16 * step);
-      }
+      uint32_t a[4];
+      LoadMatrixX4(a, p_lane + 16 * step);
       // ldmatrix.trans rows: keys step * 16 + lane % 16, 16-byte column block lane / 16 of 32.
       const uint8_t* v_lane =
           raw + (step * 16 + lane % 16) * kStride + column0 + (lane / 16) * 16;
@@ -687,47 +680,44 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
             E4m3EvenOddToF16(v[2 * block], even0, odd0);
             E4m3EvenOddToF16(v[2 * block + 1], even1, odd1);
           }
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            constexpr MmaInputs kPvInputs = Config::kPvBf16 ? MmaInputs::kBf16 : MmaInputs::kF16;
-            Mma<kPvInputs>(acc[r][4 * pair + 2 * block], a[r], even0, even1);
-            Mma<kPvInputs>(acc[r][4 * pair + 2 * block + 1], a[r], odd0, odd1);
-          }
+          constexpr MmaInputs kPvInputs = Config::kPvBf16 ? MmaInputs::kBf16 : MmaInputs::kF16;
+          Mma<kPvInputs>(acc[4 * pair + 2 * block], a, even0, even1);
+          Mma<kPvInputs>(acc[4 * pair + 2 * block + 1], a, odd0, odd1);
         }
       }
     }
   };
 
-  // Tile t's P V and tile t + 1's scores share one branch-free stretch between barriers:
-  // independent MMA streams that the scheduler can interleave. The softmax of t + 1 follows
-  // after a barrier.
+  // One barrier per tile: between two barriers every warp runs the softmax of tile t + 1, P V of
+  // tile t and the scores of tile t + 2, which touch different buffers, so the MMAs of one warp
+  // overlap the softmax latencies of another. The first two tiles' scores and the first softmax
+  // come before the loop.
   if (num_tiles > 0) {
     WaitBarrier(smem.landed, 0);
     scores(0);
-    __syncthreads();
-    softmax(0);
   }
-  for (int tile = 0; tile + 1 < num_tiles; ++tile) {
-    WaitBarrier(smem.landed + (tile + 1) % kStages, ((tile + 1) / kStages) % 2);
-    __syncthreads();  // P of `tile` is written, its partials read; tile - 1's stage is free
-    if (tile + kStages - 1 < num_tiles) {
-      GatherTile(smem, p.kv, tile + kStages - 1, (tile + kStages - 1) % kStages, warp, lane);
-    }
-    rescale_output();
-    scores(tile + 1);
+  ConsumerSync();
+  if (num_tiles > 0) softmax(0);
+  if (num_tiles > 1) {
+    WaitBarrier(smem.landed + 1, 0);
+    scores(1);
+  }
+  ConsumerSync();
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    // The stage of tile - 1 is free: its last reader, P V of tile - 1, came before the barrier.
+    if (tile > 0 && threadIdx.x == 0) Arrive(smem.freed + (tile - 1) % kStages);
+    if (tile + 1 < num_tiles) softmax(tile + 1);
+    rescale_output(tile);
     accumulate(tile);
-    __syncthreads();  // partials of tile + 1 are written; P of `tile` is no longer read
-    softmax(tile + 1);
-  }
-  if (num_tiles > 0) {
-    __syncthreads();  // P of the last tile is written
-    rescale_output();
-    accumulate(num_tiles - 1);
+    if (tile + 2 < num_tiles) {
+      WaitBarrier(smem.landed + (tile + 2) % kStages, ((tile + 2) / kStages) % 2);
+      scores(tile + 2);
+    }
+    ConsumerSync();
   }
 
-  // l per row, then the epilogue: rows 16 r + quad (+ 8) of this warp's 64 columns; per 16-column
-  // block, the thread's columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1],
-  // odd[1]).
+  // l per row, then the epilogue: rows quad (+ 8) of this warp's 64 columns; per 16-column block,
+  // the thread's columns 4 * quad_lane + {0, 1, 2, 3} are (even[0], odd[0], even[1], odd[1]).
   constexpr float kLn2 = 0.6931471805599453f;
 #pragma unroll
   for (int offset = 1; offset < kThreadsPerRow; offset *= 2) {
@@ -747,33 +737,29 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
       }
     }
   }
-  __syncthreads();
+  ConsumerSync();
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
+  for (int half = 0; half < 2; ++half) {
+    const int row = quad + 8 * half;
+    const int head = head_begin + row;
+    if (head >= p.num_heads) continue;
+    const int64_t row_index = int64_t{token} * p.num_heads + head;
+    const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
+    const float scale = smem.inverse_sum[row] * (Config::kPvBf16 ? kResultScale : 1.0f) *
+                        (p.num_splits == 1 ? p.out_scale : 1.0f);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = 16 * r + quad + 8 * half;
-      const int head = head_begin + row;
-      if (head >= p.num_heads) continue;
-      const int64_t row_index = int64_t{token} * p.num_heads + head;
-      const int64_t partial_row = int64_t{split} * p.num_tokens * p.num_heads + row_index;
-      const float scale =
-          smem.inverse_sum[row] * (Config::kPvBf16 ? kResultScale : 1.0f) *
-          (p.num_splits == 1 ? p.out_scale : 1.0f);
-#pragma unroll
-      for (int block = 0; block < 4; ++block) {
-        const float* even = acc[r][2 * block];
-        const float* odd = acc[r][2 * block + 1];
-        const float values[4] = {even[2 * half] * scale, odd[2 * half] * scale,
-                                 even[2 * half + 1] * scale, odd[2 * half + 1] * scale};
-        const int column = column0 + block * 16 + 4 * quad_lane;
-        if (p.num_splits == 1) {
-          *reinterpret_cast<uint2*>(p.out + row_index * kVDim + column) =
-              make_uint2(PackBf16(values[0], values[1]), PackBf16(values[2], values[3]));
-        } else {
-          *reinterpret_cast<float4*>(p.partial_out + partial_row * kVDim + column) =
-              make_float4(values[0], values[1], values[2], values[3]);
-        }
+    for (int block = 0; block < 4; ++block) {
+      const float* even = acc[2 * block];
+      const float* odd = acc[2 * block + 1];
+      const float values[4] = {even[2 * half] * scale, odd[2 * half] * scale,
+                               even[2 * half + 1] * scale, odd[2 * half + 1] * scale};
+      const int column = column0 + block * 16 + 4 * quad_lane;
+      if (p.num_splits == 1) {
+        *reinterpret_cast<uint2*>(p.out + row_index * kVDim + column) =
+            make_uint2(PackBf16(values[0], values[1]), PackBf16(values[2], values[3]));
+      } else {
+        *reinterpret_cast<float4*>(p.partial_out + partial_row * kVDim + column) =
+            make_float4(values[0], values[1], values[2], values[3]);
       }
     }
   }

@@ -1,6 +1,6 @@
 // Sparse MLA decode over an fp8 cache (per-tensor e4m3 or fp8_ds_mla rows) for SM90 with 64 heads
-// per CTA and warpgroup MMAs, for H > 32 (where the 32-head kernel of sm90_fp8_kernel.cuh would
-// convert every row once per 32 heads and feed mma.sync from registers).
+// per CTA and warpgroup MMAs, for H > 16 (where the 16-head kernel of sm90_fp8_kernel.cuh would
+// convert every row once per 16 heads and feed mma.sync from registers).
 //
 // One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
 // list:
@@ -8,19 +8,23 @@
 //     rows ahead), converts them and stores them into one of two shared-memory buffers as wgmma
 //     operands: e4m3 values to f16 (exact); fp8_ds_mla values times their tile scale to bf16
 //     (rounded once, as FlashMLA dequantises) beside the bf16 RoPE dims as they are. Rows of
-//     invalid slots become zeros and are marked invalid. With two head groups (H in (64, 128]) the
-//     two CTAs of a token form a cluster (kPaired) and each producer converts half of every tile
-//     into both CTAs' buffers (the other CTA's half through distributed shared memory);
+//     invalid slots become zeros and are marked invalid (one bit per row). With two head groups
+//     (H in (64, 128]) the two CTAs of a token form a cluster (kPaired) and each producer converts
+//     half of every tile into both CTAs' buffers (the other CTA's half through distributed shared
+//     memory);
 //   - warpgroup 0 computes S = Q K^T (e4m3: f16 wgmma with Q as f16 after a power-of-two row scale,
-//     as in the 32-head kernel; fp8_ds_mla: bf16 wgmma with Q as it is), the online softmax, P (f16
-//     or bf16, into shared memory) and O[:, 0:256] += P V;
-//   - warpgroup 1 computes O[:, 256:512] += P V from the same P, alongside warpgroup 0's half.
+//     as in the 16-head kernel; fp8_ds_mla: bf16 wgmma with Q as it is), the online softmax (with
+//     no per-key masking when the whole tile is valid), P (f16 or bf16) and O[:, 0:256] += P V with
+//     P from its registers;
+//   - warpgroup 1 computes O[:, 256:512] += P V from the same P, which warpgroup 0 also stores into
+//     shared memory for it, alongside warpgroup 0's half.
 // Shared-memory operands are unswizzled core matrices: 16-byte column c (8 values along the dims)
 // of row m (a head or a key) at c * kColumnBytes + m * 16. For S both operands are K-major; for
 // P V the key rows serve as V in MN-major order (8 dims contiguous per key).
 //
-// The epilogue follows the 32-head kernel: with one split out / lse directly, otherwise normalised
-// fp32 partials and base-2 lse for MergeSplits. A row with no valid slot: out 0, lse -inf.
+// The epilogue follows the 16-head kernel: with one split out / lse directly (out staged through
+// Q's shared memory for row-contiguous 16-byte stores), otherwise normalised fp32 partials and
+// base-2 lse for MergeSplits. A row with no valid slot: out 0, lse -inf.
 #pragma once
 
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -44,8 +48,8 @@ inline constexpr int kScoreRegisters = 208, kValueRegisters = 168, kProducerRegi
 static_assert(kScoreRegisters + kValueRegisters + kProducerRegisters <= 3 * kLaunchRegisters);
 
 // Named barriers (0 is __syncthreads): P of a tile is ready / has been read by warpgroup 1; the
-// 128 threads of warpgroup 0; the 256 consumer threads.
-inline constexpr int kProbsReady = 1, kProbsRead = 2, kScoreGroup = 3, kConsumers = 4;
+// 256 consumer threads; the 128 threads of warpgroup w's output staging (kStaging + w).
+inline constexpr int kProbsReady = 1, kProbsRead = 2, kConsumers = 3, kStaging = 4;
 
 struct Shared {
   uint8_t q[kOperandBytes];                // Q [64 heads x 576], f16 or bf16 (Operands)
@@ -54,7 +58,9 @@ struct Shared {
   float rescale[kHeads];                   // factor on the running output before this tile's P V
   float query_unscale[kHeads];             // 1 / Q's row scales
   float inverse_sum[kHeads];               // 1 / l per row, for the epilogue
-  uint8_t valid[kBuffers][kBlockN];
+  // Word j of a buffer: bit i is set when row 8 j + i holds a valid slot (the 8 rows of one
+  // producer warp's round).
+  alignas(16) uint32_t valid_rows[kBuffers][kBlockN / 8];
   uint64_t ready[kBuffers];         // this CTA's producer -> consumers: its rows of a tile are in
   uint64_t peer_ready[kBuffers];    // paired CTAs: the peer's rows of a tile are in (byte count)
   uint64_t freed[kBuffers];         // consumers -> producers: all consumers are done with a buffer
@@ -100,9 +106,10 @@ __device__ __forceinline__ uint32_t PeerAddress(const void* pointer, uint32_t ra
   return address;
 }
 
+// An arrival on the peer CTA's barrier `peer_barrier`, as CUTLASS's cluster pipelines release a
+// buffer (the default .release.cta semantics: a cluster-scope release costs a GPU-wide fence).
 __device__ __forceinline__ void ArrivePeerBarrier(uint32_t peer_barrier) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(peer_barrier)
-               : "memory");
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];\n" ::"r"(peer_barrier) : "memory");
 }
 
 // Stores into the peer CTA's shared memory that complete on its barrier `peer_barrier` (counted in
@@ -115,11 +122,11 @@ __device__ __forceinline__ void StorePeer(uint32_t peer_address, uint4 value,
       "r"(peer_barrier)
       : "memory");
 }
-__device__ __forceinline__ void StorePeer(uint32_t peer_address, uint2 value,
+__device__ __forceinline__ void StorePeer(uint32_t peer_address, uint32_t value,
                                           uint32_t peer_barrier) {
   asm volatile(
-      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"
-      ::"r"(peer_address), "r"(value.x), "r"(value.y), "r"(peer_barrier)
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n"
+      ::"r"(peer_address), "r"(value), "r"(peer_barrier)
       : "memory");
 }
 
@@ -188,6 +195,13 @@ struct Operands {
                                                      cute::SM90::GMMA::Major::MN>,
       cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
                                                    cute::SM90::GMMA::Major::MN>>;
+  // P V with P from registers (warpgroup 0, which computed it).
+  using ValuesMmaRs = std::conditional_t<
+      kDsMla,
+      cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
+                                                     cute::SM90::GMMA::Major::MN>,
+      cute::SM90::GMMA::MMA_64x256x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
+                                                   cute::SM90::GMMA::Major::MN>>;
   __device__ static uint32_t Pack(float low, float high) {
     return kDsMla ? PackBf16(low, high) : PackF16(low, high);
   }
@@ -199,23 +213,50 @@ __device__ __forceinline__ void FenceAccumulators(float (&d)[kRegs]) {
   for (int i = 0; i < kRegs; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 
+// One register-A wgmma: A (P, 64 x 16) from the four registers at `a`.
+template <typename Op, int kRegs, size_t... kI>
+__device__ __forceinline__ void RunMmaFromRegisters(const uint32_t* a, uint64_t b,
+                                                    float (&d)[kRegs],
+                                                    std::index_sequence<kI...>) {
+  Op::fma(a[0], a[1], a[2], a[3], b, d[kI]..., cute::SM90::GMMA::ScaleOut::One);
+}
+
 // out = out * rescale + P V over one tile for one warpgroup's 256 value dims (`values_operand`),
 // waiting for the MMAs; rescale0 applies to the thread's rows row0 (i % 4 < 2), rescale1 to row1.
-template <typename ValuesMma>
+// P comes from shared memory (`probs` a descriptor, ValuesMma) or from the registers of the
+// warpgroup that computed it (`probs` 16 registers: k-step s takes probs[4 s + 0..3], the layout
+// of the S accumulators; ValuesMmaRs). `while_running` runs between issuing the MMAs and waiting.
+template <typename ValuesMma, typename Probs, typename WhileRunning>
 __device__ __forceinline__ void AccumulateValues(float (&out)[128], float rescale0, float rescale1,
-                                                 uint64_t probs_operand, uint64_t values_operand) {
+                                                 Probs& probs, uint64_t values_operand,
+                                                 WhileRunning&& while_running) {
 #pragma unroll
   for (int i = 0; i < 128; ++i) out[i] *= (i / 2) % 2 == 0 ? rescale0 : rescale1;
   FenceAccumulators(out);
+  constexpr bool kFromRegisters = !std::is_same_v<Probs, const uint64_t>;
+  if constexpr (kFromRegisters) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(probs[i]);
+  }
   cute::warpgroup_arrive();
 #pragma unroll
   for (int step = 0; step < kBlockN / 16; ++step) {
-    RunMma<ValuesMma>(probs_operand + step * kKMajorStep, values_operand + step * kValueStep, out,
-                      true, std::make_index_sequence<128>{});
+    if constexpr (kFromRegisters) {
+      RunMmaFromRegisters<ValuesMma>(probs + 4 * step, values_operand + step * kValueStep, out,
+                                     std::make_index_sequence<128>{});
+    } else {
+      RunMma<ValuesMma>(probs + step * kKMajorStep, values_operand + step * kValueStep, out, true,
+                        std::make_index_sequence<128>{});
+    }
   }
   cute::warpgroup_commit_batch();
+  while_running();
   cute::warpgroup_wait<0>();
   FenceAccumulators(out);
+  if constexpr (kFromRegisters) {  // the MMAs read those registers until they complete
+#pragma unroll
+    for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(probs[i]);
+  }
 }
 
 // Accumulator element i of a thread (warp w of its warpgroup, lane l): row 16 w + l / 4 +
@@ -232,35 +273,41 @@ template <KvLayout kLayout>
 __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, int token,
                                           int head_begin, int thread, float* query_unscale) {
   constexpr bool kScaled = kLayout == KvLayout::kE4m3;
-  // Four threads per row find its largest |q|.
-  const int row = thread / 4, part = thread % 4;
+  constexpr int kColumns = kQkDim / 8 / 4;  // 16-byte columns per thread
+  // Lane l of warp w holds columns 4 k + l / 8 of row 8 w + l % 8: a quarter warp stores one
+  // column of 8 rows, 128 contiguous bytes. All of a thread's loads go out at once.
+  const int lane = thread % 32, part = lane / 8;
+  const int row = 8 * (thread / 32) + lane % 8;
   const int head = head_begin + row;
   const __nv_bfloat16* q_row = p.q + (int64_t{token} * p.num_heads + head) * kQkDim;
-  float largest = 0.0f;
-  if (kScaled && head < p.num_heads) {
-    for (int d = part * 8; d < kQkDim; d += 32) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(q_row + d);
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  uint4 raw[kColumns];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 values = __bfloat1622float2(pairs[i]);
-        largest = fmaxf(largest, fmaxf(fabsf(values.x), fabsf(values.y)));
-      }
-    }
+  for (int k = 0; k < kColumns; ++k) {
+    raw[k] = head < p.num_heads ? *reinterpret_cast<const uint4*>(q_row + (4 * k + part) * 8)
+                                : make_uint4(0, 0, 0, 0);
   }
-  largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 1));
-  largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 2));
+  float largest = 0.0f;  // the row's largest |q|, over its four threads
+  if constexpr (kScaled) {
+    // In bf16 pairs (exact; NaN ignored as by fmaxf), so that no float copy of Q stays live.
+    __nv_bfloat162 largest_pair = __float2bfloat162_rn(0.0f);
+#pragma unroll
+    for (int k = 0; k < kColumns; ++k) {
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[k]);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) largest_pair = __hmax2(largest_pair, __habs2(pairs[i]));
+    }
+    largest = fmaxf(__low2float(largest_pair), __high2float(largest_pair));
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 8));
+    largest = fmaxf(largest, __shfl_xor_sync(0xffffffffu, largest, 16));
+  }
   const int exponent = largest > 0.0f ? ilogbf(largest) : 14;
   const float scale = ldexpf(1.0f, 14 - max(exponent, -110));
   if (part == 0) query_unscale[row] = kScaled ? 1.0f / scale : 1.0f;
-  // The same four threads write the row's 72 columns.
-  for (int column = part; column < kQkDim / 8; column += 4) {
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (!kScaled && head < p.num_heads) {
-      packed = *reinterpret_cast<const uint4*>(q_row + column * 8);
-    } else if (head < p.num_heads) {
-      const uint4 raw = *reinterpret_cast<const uint4*>(q_row + column * 8);
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int k = 0; k < kColumns; ++k) {
+    uint4 packed = raw[k];
+    if constexpr (kScaled) {
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw[k]);
       uint32_t* out = reinterpret_cast<uint32_t*>(&packed);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
@@ -268,7 +315,7 @@ __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, i
         out[i] = PackF16(values.x * scale, values.y * scale);
       }
     }
-    *reinterpret_cast<uint4*>(smem.q + column * kColumnBytes + row * 16) = packed;
+    *reinterpret_cast<uint4*>(smem.q + (4 * k + part) * kColumnBytes + row * 16) = packed;
   }
   FenceProxyAsync();
   NamedBarrierSync(kConsumers, 256);  // all of Q is written
@@ -315,7 +362,7 @@ __device__ __forceinline__ void ScaledBf16Columns(uint4 bytes, float scale, uint
 
 // Bytes the peer's producer stores into a CTA's buffer per tile (kPaired): its 32 rows of 72
 // columns and, per warp, the valid flags of its 8 rows.
-inline constexpr uint32_t kPeerTileBytes = kBlockN / 2 * (kOperandBytes / kBlockN) + 4 * 8;
+inline constexpr uint32_t kPeerTileBytes = kBlockN / 2 * (kOperandBytes / kBlockN) + 4 * 4;
 
 // Warpgroup 2: the CTA's rows of every tile of the split into buffer tile % 2, once all consumers
 // freed it, in rounds of 32 rows with 4 threads per row. Alone (kPaired false) a CTA's producer
@@ -368,19 +415,14 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
       if (thread == 0) ArriveExpectBytes(smem.peer_ready + buffer, kPeerTileBytes);
       peer_keys = PeerAddress(keys, peer) + row * 16;
       peer_ready = PeerAddress(smem.peer_ready + buffer, peer);
-      // The warp's 8 valid flags (lanes 0-7), one byte each, for the peer's copy of `valid`.
-      const uint32_t flags = __ballot_sync(0xffffffffu, valid);
-      if (lane == 0) {
-        uint2 bytes = make_uint2(0, 0);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          bytes.x |= ((flags >> i) & 1u) << (8 * i);
-          bytes.y |= ((flags >> (4 + i)) & 1u) << (8 * i);
-        }
-        StorePeer(PeerAddress(smem.valid[buffer] + row, peer), bytes, peer_ready);
-      }
     }
-    if (part == 0) smem.valid[buffer][row] = valid;
+    // The warp's 8 rows (lanes 0-7) are word row / 8 of valid_rows.
+    const uint32_t flags = __ballot_sync(0xffffffffu, valid) & 0xffu;
+    if (lane == 0) {
+      uint32_t* word = &smem.valid_rows[buffer][row / 8];
+      *word = flags;
+      if constexpr (kPaired) StorePeer(PeerAddress(word, peer), flags, peer_ready);
+    }
     const auto store = [&](int column, uint4 value) {
       *reinterpret_cast<uint4*>(keys + column * kColumnBytes + row * 16) = value;
       if constexpr (kPaired) StorePeer(peer_keys + column * kColumnBytes, value, peer_ready);
@@ -431,11 +473,44 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
 }
 
 // The epilogue of one consumer warpgroup: its 256 columns, element i of `out` at column
-// 256 warpgroup + 8 (i / 4) + 2 (l % 4) + i % 2 of rows row0 (i % 4 < 2) and row1.
+// 256 warpgroup + 8 (i / 4) + 2 (l % 4) + i % 2 of rows row0 (i % 4 < 2) and row1. With one split
+// `staging` (64 rows of 1040 bytes, no longer read by any MMA) takes the bf16 rows first.
 __device__ __forceinline__ void WriteOutput(const float (&out)[128], const DecodeParams& p,
                                             const float* inverse_sum, int token, int split,
                                             int head_begin, int warpgroup, int row0, int row1,
-                                            int column_in_block) {
+                                            int column_in_block, uint8_t* staging) {
+  if (p.num_splits == 1) {
+    // Through shared memory (Q's, free once all S MMAs are done), for 16-byte row-contiguous
+    // stores: rows of 512 bf16 plus 16 bytes, so the quad-strided writes hit distinct banks.
+    constexpr int kStagingStride = kVDim * 2 + 16;
+    static_assert(kHeads * kStagingStride <= kOperandBytes);
+    const int thread = threadIdx.x % 128;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = r == 0 ? row0 : row1;
+      const float scale = inverse_sum[row] * p.out_scale;
+#pragma unroll
+      for (int block = 0; block < 32; ++block) {
+        const int column = 256 * warpgroup + 8 * block + column_in_block;
+        *reinterpret_cast<uint32_t*>(staging + row * kStagingStride + column * 2) =
+            PackBf16(out[4 * block + 2 * r] * scale, out[4 * block + 2 * r + 1] * scale);
+      }
+    }
+    NamedBarrierSync(kStaging + warpgroup, 128);
+    // Warp w copies rows 16 w + [0, 16) of this warpgroup's 256 columns: 512 bytes a row.
+    const int warp = thread / 32, lane = thread % 32;
+#pragma unroll 4
+    for (int i = 0; i < 16; ++i) {
+      const int row = 16 * warp + i;
+      const int head = head_begin + row;
+      if (head >= p.num_heads) break;
+      const uint4 chunk = *reinterpret_cast<const uint4*>(
+          staging + row * kStagingStride + warpgroup * 512 + lane * 16);
+      *reinterpret_cast<uint4*>(p.out + (int64_t{token} * p.num_heads + head) * kVDim +
+                                256 * warpgroup + lane * 8) = chunk;
+    }
+    return;
+  }
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = r == 0 ? row0 : row1;
@@ -465,6 +540,7 @@ template <KvLayout kLayout, bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(const DecodeParams p) {
   using ScoresMma = typename Operands<kLayout>::ScoresMma;
   using ValuesMma = typename Operands<kLayout>::ValuesMma;
+  using ValuesMmaRs = typename Operands<kLayout>::ValuesMmaRs;
   extern __shared__ __align__(128) uint8_t shared_bytes[];
   Shared& smem = *reinterpret_cast<Shared*>(shared_bytes);
   const int head_begin = blockIdx.x * kHeads;
@@ -523,13 +599,11 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
     const float score_scale1 = p.score_scale_log2 * query_unscale[row1];
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.0f, 0.0f};  // this thread's columns; reduced over the quad at the end
-    const uint64_t query_operand = KMajor(smem.q), probs_operand = KMajor(smem.probs);
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      const int buffer = tile % kBuffers;
-      const uint64_t keys_operand = KMajor(smem.keys[buffer]);
-      const uint64_t values_operand = ValueOperand(smem.keys[buffer], 0);
-      wait_for_tile(tile);
-      float score[32];
+    const uint64_t query_operand = KMajor(smem.q);
+    float score[32];
+    // S = Q K^T of a tile into `score`, issued and committed, not waited for.
+    const auto issue_scores = [&](int tile) {
+      const uint64_t keys_operand = KMajor(smem.keys[tile % kBuffers]);
       FenceAccumulators(score);
       cute::warpgroup_arrive();
 #pragma unroll
@@ -538,18 +612,40 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
                           score, step > 0, std::make_index_sequence<32>{});
       }
       cute::warpgroup_commit_batch();
+    };
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      const int buffer = tile % kBuffers;
+      const uint64_t values_operand = ValueOperand(smem.keys[buffer], 0);
+      wait_for_tile(tile);
+      issue_scores(tile);
       cute::warpgroup_wait<0>();
       FenceAccumulators(score);
 
-      // Online softmax (base 2) over the tile's 64 keys of rows row0 (i % 4 < 2) and row1.
-      float tile_max[2] = {-INFINITY, -INFINITY};
+      // Online softmax (base 2) over the tile's 64 keys of rows row0 (i % 4 < 2) and row1. Key
+      // 8 j + c (c < 8) is valid when bit c of valid_rows word j is set; most tiles are all valid.
+      const uint4 words_low = *reinterpret_cast<const uint4*>(&smem.valid_rows[buffer][0]);
+      const uint4 words_high = *reinterpret_cast<const uint4*>(&smem.valid_rows[buffer][4]);
+      const uint32_t words[8] = {words_low.x,  words_low.y,  words_low.z,  words_low.w,
+                                 words_high.x, words_high.y, words_high.z, words_high.w};
+      uint32_t all_valid = 0xffu;
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int key = 8 * (i / 4) + column_in_block + i % 2;
-        const int r = (i / 2) % 2;
-        score[i] = smem.valid[buffer][key] ? score[i] * (r == 0 ? score_scale0 : score_scale1)
-                                           : -INFINITY;
-        tile_max[r] = fmaxf(tile_max[r], score[i]);
+      for (int j = 0; j < 8; ++j) all_valid &= words[j];
+      float tile_max[2] = {-INFINITY, -INFINITY};
+      if (all_valid == 0xffu) {  // the same branch for the whole warpgroup
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          const int r = (i / 2) % 2;
+          score[i] *= r == 0 ? score_scale0 : score_scale1;
+          tile_max[r] = fmaxf(tile_max[r], score[i]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) {
+          const int r = (i / 2) % 2;
+          const bool valid = (words[i / 4] >> (column_in_block + i % 2)) & 1u;
+          score[i] = valid ? score[i] * (r == 0 ? score_scale0 : score_scale1) : -INFINITY;
+          tile_max[r] = fmaxf(tile_max[r], score[i]);
+        }
       }
       float rescale[2], base[2];
 #pragma unroll
@@ -563,6 +659,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
         row_max[r] = new_max;
         row_sum[r] *= rescale[r];
       }
+      // P in the A-operand register layout of the P V MMAs: k-step s takes probs[4 s + 0..3].
       uint32_t probs[16];
 #pragma unroll
       for (int i = 0; i < 32; i += 2) {
@@ -571,23 +668,25 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
         row_sum[r] += p0 + p1;
         probs[i / 2] = Operands<kLayout>::Pack(p0, p1);
       }
-      // P and the rescale factors of the previous tile must have been read by warpgroup 1.
-      if (tile > 0) NamedBarrierSync(kProbsRead, 256);
+      // P for warpgroup 1, once it has read the previous tile's P and rescale factors.
+      const auto share_probs = [&] {
+        if (tile > 0) NamedBarrierSync(kProbsRead, 256);
 #pragma unroll
-      for (int i = 0; i < 32; i += 2) {
-        const int key = 8 * (i / 4) + column_in_block;
-        const int row = (i / 2) % 2 == 0 ? row0 : row1;
-        *reinterpret_cast<uint32_t*>(smem.probs + key / 8 * kColumnBytes + row * 16 +
-                                     (key % 8) * 2) = probs[i / 2];
-      }
-      if (lane % 4 == 0) {
-        smem.rescale[row0] = rescale[0];
-        smem.rescale[row1] = rescale[1];
-      }
-      FenceProxyAsync();
-      NamedBarrierSync(kScoreGroup, 128);  // all of P is written before this warpgroup's MMAs
-      NamedBarrierArrive(kProbsReady, 256);
-      AccumulateValues<ValuesMma>(out, rescale[0], rescale[1], probs_operand, values_operand);
+        for (int i = 0; i < 32; i += 2) {
+          const int key = 8 * (i / 4) + column_in_block;
+          const int row = (i / 2) % 2 == 0 ? row0 : row1;
+          *reinterpret_cast<uint32_t*>(smem.probs + key / 8 * kColumnBytes + row * 16 +
+                                       (key % 8) * 2) = probs[i / 2];
+        }
+        if (lane % 4 == 0) {
+          smem.rescale[row0] = rescale[0];
+          smem.rescale[row1] = rescale[1];
+        }
+        FenceProxyAsync();
+        NamedBarrierArrive(kProbsReady, 256);
+      };
+      AccumulateValues<ValuesMmaRs>(out, rescale[0], rescale[1], probs, values_operand,
+                                    share_probs);
       free_buffer(buffer);
     }
     // l and lse per row; 1 / l for both warpgroups.
@@ -613,7 +712,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       }
     }
     NamedBarrierSync(kConsumers, 256);
-    WriteOutput(out, p, inverse_sum, token, split, head_begin, 0, row0, row1, column_in_block);
+    WriteOutput(out, p, inverse_sum, token, split, head_begin, 0, row0, row1, column_in_block,
+                smem.q);
     // The peer may still arrive on this CTA's barriers until it is done with its last tile.
     if constexpr (kPaired) ClusterSync();
   } else {
@@ -629,12 +729,13 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       // before this warpgroup's MMAs directly.
       wait_for_tile(tile);
       AccumulateValues<ValuesMma>(out, smem.rescale[row0], smem.rescale[row1], probs_operand,
-                                  values_operand);
+                                  values_operand, [] {});
       if (tile + 1 < num_tiles) NamedBarrierArrive(kProbsRead, 256);
       free_buffer(buffer);
     }
     NamedBarrierSync(kConsumers, 256);  // inverse_sum is written
-    WriteOutput(out, p, inverse_sum, token, split, head_begin, 1, row0, row1, column_in_block);
+    WriteOutput(out, p, inverse_sum, token, split, head_begin, 1, row0, row1, column_in_block,
+                smem.q);
     if constexpr (kPaired) ClusterSync();
   }
 }

@@ -1,18 +1,18 @@
 """The SM90 (H100 / H200) fp8 kernel: our own sparse MLA decode over fp8 caches.
 
 FlashInfer's Hopper MLA kernel runs an fp8 cache about 3x slower than a bf16 one. This kernel
-(`ffi/sm90_fp8_kernel.cuh`) reads either fp8 layout directly: per-tensor e4m3 rows of 576 bytes and
-fp8_ds_mla rows of 656 bytes (512 e4m3, 4 fp32 tile scales, 64 bf16 RoPE). It gathers each tile of
-64 top-k rows with bulk copies (one per row, completing on an mbarrier) and feeds the fp8 bytes to
-tensor-core MMAs with fp32 accumulation: for S = Q K^T, f16 MMAs on keys converted exactly by
-conversion instructions and Q held as f16 after a power-of-two row scale; for P V, f16 MMAs on values
-converted the same way with P as f16 (e4m3), or bf16 MMAs on values widened exactly with integer
-operations with P times the tile scales as bf16 (fp8_ds_mla). The warps split each tile by keys and
-dims so that every value is converted once per CTA. The per-tensor k_scale multiplies the scores
-and the output; fp8_ds_mla's tile scales multiply the 128-dim partial dot products and, for P V,
-the probabilities.
+(`ffi/sm90_fp8_kernel.cuh`, up to 16 heads) reads either fp8 layout directly: per-tensor e4m3 rows of
+576 bytes and fp8_ds_mla rows of 656 bytes (512 e4m3, 4 fp32 tile scales, 64 bf16 RoPE). Producer
+warps gather each tile of 64 top-k rows with bulk copies (one per row, completing on an mbarrier);
+consumer warps feed the fp8 bytes to tensor-core MMAs with fp32 accumulation: for S = Q K^T, f16
+MMAs on keys converted exactly by conversion instructions and Q held as f16 after a power-of-two row
+scale; for P V, f16 MMAs on values converted the same way with P as f16 (e4m3), or bf16 MMAs on
+values widened exactly with integer operations with P times the tile scales as bf16 (fp8_ds_mla).
+The consumers split each tile by keys and dims so that every value is converted once per CTA. The
+per-tensor k_scale multiplies the scores and the output; fp8_ds_mla's tile scales multiply the
+128-dim partial dot products and, for P V, the probabilities.
 
-With more than 32 heads, a second kernel (`ffi/sm90_fp8_wide_kernel.cuh`) runs 64 heads per CTA on
+With more than 16 heads, a second kernel (`ffi/sm90_fp8_wide_kernel.cuh`) runs 64 heads per CTA on
 warpgroup MMAs (wgmma): a producer warpgroup converts each tile's rows once into shared memory (e4m3
 exactly to f16; fp8_ds_mla dequantised to bf16, value times tile scale rounded once, next to its
 bf16 RoPE dims), one consumer warpgroup computes S, the softmax and half of P V, the other the other
@@ -23,7 +23,7 @@ kernel, which applies the tile scales in float32, does not: up to 2^-9 relative 
 which on the GPU tests' data moves lse by up to ~0.04 from the pure-JAX path (which dequantises in
 float32); e4m3 values convert exactly in both kernels.
 
-Work split: one CTA per (token, group of 16, 32 or 64 heads, split of the top-k list). A static plan
+Work split: one CTA per (token, group of 16 or 64 heads, split of the top-k list). A static plan
 per shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel
 combines them. The bf16 path stays on FlashInfer's kernel (`sm90.py`).
 """
@@ -50,7 +50,7 @@ TILE_KEYS = 64
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """heads_per_cta: 16, 32 or 64; the top-k list splits into num_splits ranges of
+    """heads_per_cta: 16 or 64; the top-k list splits into num_splits ranges of
     keys_per_split."""
 
     heads_per_cta: int
@@ -65,8 +65,10 @@ def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> Plan:
     Splits only when T x head groups is below one CTA per SM, keeping at least two tiles per split
     (each CTA also loads its queries), and always enough to keep a split within MAX_KEYS_PER_SPLIT.
     """
-    # More than 32 heads: the 64-head warpgroup-MMA kernel (sm90_fp8_wide_kernel.cuh).
-    heads_per_cta = 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
+    # More than 16 heads: the 64-head warpgroup-MMA kernel (sm90_fp8_wide_kernel.cuh). At 32 heads
+    # it took 93.3 / 96.1 us (e4m3 / fp8_ds_mla, H200 kernel time, T=128) where a 32-head mma.sync
+    # CTA took 92.2 / 117.2.
+    heads_per_cta = 16 if num_heads <= 16 else 64
     tiles = max(1, -(-num_keys // TILE_KEYS))
     ctas = num_tokens * -(-num_heads // heads_per_cta)
     splits = max(1, min(tiles // 2, sm_count // max(ctas, 1)))

@@ -128,7 +128,7 @@ def test_dispatch_by_capability(fake_gpu, capability, layout, q_dtype, expected)
 @pytest.mark.parametrize("num_keys", [0, 1, 128, 2048, 2049, 4224])
 def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys):
     p = sm90_fp8.plan(num_tokens, num_heads, num_keys, 132)
-    assert p.heads_per_cta == (16 if num_heads <= 16 else 32 if num_heads <= 32 else 64)
+    assert p.heads_per_cta == (16 if num_heads <= 16 else 64)
     assert p.keys_per_split % 64 == 0 and 0 < p.keys_per_split <= 2048
     assert p.num_splits * p.keys_per_split >= num_keys  # every key lies in a split
     assert (p.num_splits - 1) * p.keys_per_split < max(num_keys, 1)  # no split wholly past K

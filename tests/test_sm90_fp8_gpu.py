@@ -1,4 +1,4 @@
-"""GPU tests of the SM90 fp8 kernels (ours: ffi/sm90_fp8_kernel.cuh up to 32 heads,
+"""GPU tests of the SM90 fp8 kernels (ours: ffi/sm90_fp8_kernel.cuh up to 16 heads,
 ffi/sm90_fp8_wide_kernel.cuh above) for per-tensor e4m3 and fp8_ds_mla caches.
 
 Each case compares the native kernel with the pure-JAX kernel (implementation="xla") on the values
@@ -75,7 +75,7 @@ def run(q, cache, indices, implementation, **kwargs):
 
 def dequantises_to_bf16(layout, num_heads):
     """Whether the kernel rounds fp8_ds_mla's values times tile scale to bf16: the 64-head kernel
-    does (bf16 warpgroup MMAs, as FlashMLA); the 32-head kernel applies the scales in float32."""
+    does (bf16 warpgroup MMAs, as FlashMLA); the 16-head kernel applies the scales in float32."""
     return layout == "ds_mla" and sm90_fp8.plan(1, num_heads, 64, 132).heads_per_cta == 64
 
 
@@ -109,7 +109,7 @@ def check_case(num_tokens, num_heads, num_keys, layout, lse_base="e", *, seed=1,
 
 
 def assert_matches_dequantised(native, q, cache, indices, layout, kwargs):
-    """Against run_reference. The 32-head kernel's MMAs take the fp8 values exactly and apply
+    """Against run_reference. The 16-head kernel's MMAs take the fp8 values exactly and apply
     fp8_ds_mla's tile scales in float32 to the partial dot products; its roundings are P to f16
     (e4m3) or P times a tile scale to bf16 (fp8_ds_mla, as in the bf16 path), and query values below
     2^-31 of their row's largest to f16. The 64-head kernel rounds P to f16 (e4m3) or bf16
@@ -127,9 +127,9 @@ def test_fp8_caches_select_this_kernel():
     assert sm90_fp8.TARGET in lowered.as_text()
 
 
-# T in {1, 7, 128, 1024} x H in {16, 32, 64, 128} x K in {128, 2048}: each value, each head group size
-# (16/32/64 per CTA; 128 and 100 heads: the 64-head kernel's 2-CTA clusters), one and many splits,
-# odd head counts (padded groups) and K beyond one split.
+# T in {1, 7, 128, 1024} x H in {16, 32, 64, 128} x K in {128, 2048}: each value, both kernels
+# (16 heads per CTA; 20 to 64 heads: one 64-head CTA; 128 and 100 heads: the 64-head kernel's 2-CTA
+# clusters), one and many splits, odd head counts (padded groups) and K beyond one split.
 GRID = [(1, 16, 128), (1, 128, 2048), (7, 32, 2048), (7, 64, 128), (128, 16, 2048),
         (128, 128, 2048), (1024, 64, 2048), (1024, 16, 128), (5, 20, 2048), (3, 100, 4224),
         (130, 48, 512)]
@@ -191,11 +191,11 @@ def test_holes_see_nothing_left_by_other_ctas(layout, num_heads):
                    (reference[0][clean_tokens], reference[1][clean_tokens]), out_rtol=2e-2)
 
 
-@pytest.mark.parametrize("num_heads", [32, 128])  # the 32-head and the 64-head kernel
+@pytest.mark.parametrize("num_heads", [16, 128])  # the 16-head and the 64-head kernel
 def test_against_float64_reference(num_heads):
     """Independent of the pure-JAX path: float64 NumPy over the rows the kernel multiplies within
     this file's bounds, and over the exactly dequantised fp8_ds_mla rows: within vLLM's fp8
-    tolerances for the 32-head kernel; for the 64-head kernel, whose bf16 rounding of value x tile
+    tolerances for the 16-head kernel; for the 64-head kernel, whose bf16 rounding of value x tile
     scale (2^-9 relative) moves these scores by ~1e-2 (elementwise, as FlashMLA's dequantisation
     would, it misses vLLM's tolerance at a few small outputs), within bounds on the whole output."""
     cache = caches()["ds_mla"]
@@ -216,6 +216,32 @@ def test_against_float64_reference(num_heads):
                    out_rtol=2e-2)
 
 
+@pytest.mark.parametrize("num_heads", [16, 128])  # the 16-head and the 64-head kernel
+def test_ds_mla_tile_scales_far_apart(num_heads):
+    """fp8_ds_mla tile scales from 2^-30 to 2^30 times each other, per row and tile (outside f16's
+    range either way), against float64 on the exactly dequantised rows, per 128-column tile of every
+    output row: the scores come from the RoPE dims only (a query of zero latent dims), so every key
+    carries weight and each output tile mixes values of very different scales."""
+    rng = np.random.default_rng(13)
+    num_rows = 4096
+    values = rng.standard_normal((num_rows, 576)).astype(np.float32)
+    values[:, :512] *= np.exp2(rng.uniform(-30, 30, (num_rows, 4))).repeat(128, axis=1)
+    cache = jnp.asarray(pack_ds_mla(values).reshape(num_rows // 64, 64, 656))
+    q = rng.standard_normal((4, num_heads, 576)).astype(np.float32)
+    q[..., :512] = 0.0
+    q = q.astype(ml_dtypes.bfloat16)
+    indices = rng.integers(0, num_rows, (4, 700)).astype(np.int32)
+    indices[rng.random(indices.shape) < 0.1] = -1
+    out, lse = run(jnp.asarray(q), cache, jnp.asarray(indices), "native", kv_cache_dtype="fp8_ds_mla")
+    rows = unpack_ds_mla(np.asarray(cache).reshape(num_rows, 656))
+    exact_out, exact_lse = attention_from_slots(q.astype(np.float64), rows, indices, SCALE)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), exact_lse, atol=1e-2, rtol=0)
+    out = np.asarray(out, np.float64).reshape(4, num_heads, 4, 128)
+    exact_out = exact_out.reshape(4, num_heads, 4, 128)
+    error = np.linalg.norm(out - exact_out, axis=-1) / np.linalg.norm(exact_out, axis=-1)
+    assert error.max() < 2e-2, f"largest relative error of a 128-column tile {error.max():.2e}"
+
+
 def test_e4m3_subnormals_are_exact():
     """Every e4m3 value, subnormals included, dequantises exactly: a cache holding only subnormals
     (|x| < 2^-6) matches the reference as closely as one holding normal values."""
@@ -231,7 +257,7 @@ def test_e4m3_subnormals_are_exact():
     assert_matches(native, reference, out_rtol=1e-2)
 
 
-@pytest.mark.parametrize("num_heads", [32, 64])
+@pytest.mark.parametrize("num_heads", [16, 64])
 def test_fp8_query(num_heads):
     cache, kwargs = cache_and_kwargs("fp8")
     rng = np.random.default_rng(3)
