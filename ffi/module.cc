@@ -4,15 +4,15 @@
 #include <string>
 #include <type_traits>
 
-#include "cubin_loader.h"
+#include "common/cubin_loader.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
-#include "sha256.h"
-#include "sm120_plan.h"
-#include "sm90_handlers.h"
-#include "sm90_schedule.h"
-#include "trtllm_gen.h"
+#include "common/sha256.h"
+#include "sm120/sm120_plan.h"
+#include "sm90/sm90_handlers.h"
+#include "sm90/sm90_schedule.h"
+#include "sm100/trtllm_gen.h"
 
 namespace nb = nanobind;
 

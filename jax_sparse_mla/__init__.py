@@ -1,10 +1,19 @@
 """jax-sparse-mla: DeepSeek-V3.2-style sparse MLA attention (DSA) for JAX.
 
-A port of vLLM's FlashInfer sparse-MLA backend: pure-JAX implementations of every piece (the reference,
-on any backend) plus native GPU kernels registered per compute capability.
+A port of vLLM's FlashInfer sparse-MLA backend. The package is laid out by role:
+
+    ops/        the public pure-JAX semantics (the reference, on any backend): attention, index
+                conversion, DCP combination, cache writers, metadata
+    kernels/    the kernel registry and one binding module per native kernel family
+    backend.py  the classes that mirror vLLM's FlashInfer sparse-MLA backend
+    parallel.py DCP / TP decode under jax.shard_map
+    flax/       the Flax NNX DeepSeek-V3.2 / GLM-5 attention layer
+
+`python -m jax_sparse_mla` prints what this installation holds and what each op would run here.
 """
 
-from .attention import sparse_mla_decode
+from . import kernels  # registers the native kernel families with the registry
+from .ops.attention import sparse_mla_decode
 from .backend import (
     DeviceCapability,
     FlashInferMLASparseImpl,
@@ -13,10 +22,10 @@ from .backend import (
     FlashInferMLASparseTRTLLMBackend,
     LayerScales,
 )
-from .dcp import correct_attn_out, cp_lse_ag_out_rs, get_dcp_local_seq_lens, lse_weighted_combine
-from .index_conversion import convert_req_index_to_global_index, filter_and_convert_dcp_index
-from .kv_cache import concat_and_cache_ds_mla, concat_and_cache_mla, quantize_query_fp8
-from .metadata import (
+from .ops.dcp import correct_attn_out, cp_lse_ag_out_rs, get_dcp_local_seq_lens, lse_weighted_combine
+from .ops.index_conversion import convert_req_index_to_global_index, filter_and_convert_dcp_index
+from .ops.kv_cache import concat_and_cache_ds_mla, concat_and_cache_mla, quantize_query_fp8
+from .ops.metadata import (
     CommonAttentionMetadata,
     FlashInferMLASparseMetadata,
     FlashInferMLASparseMetadataBuilder,
@@ -55,9 +64,3 @@ __all__ = [
     "sharded_sparse_mla_decode",
     "sparse_mla_decode",
 ]
-
-# native kernels register themselves here
-from . import sm90  # registers the SM90 native kernel
-from . import sm90_fp8  # registers the SM90 fp8 kernel (takes precedence over sm90 for fp8 caches)
-from . import sm120  # registers the SM120/SM121 native kernel
-from . import trtllm_gen  # registers the SM100/SM103 native kernel

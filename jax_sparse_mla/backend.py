@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 
 from . import _validation as v
-from .attention import sparse_mla_decode
-from .index_conversion import convert_req_index_to_global_index, filter_and_convert_dcp_index
-from .metadata import FlashInferMLASparseMetadata, FlashInferMLASparseMetadataBuilder
+from .kernels import registry
+from .ops.attention import sparse_mla_decode
+from .ops.index_conversion import convert_req_index_to_global_index, filter_and_convert_dcp_index
+from .ops.metadata import FlashInferMLASparseMetadata, FlashInferMLASparseMetadataBuilder
 
 DECODER = "decoder"
 
@@ -38,12 +39,10 @@ def _has_model_attr(model_config: Any, name: str) -> bool:
 
 
 def _native_kernel_available(capability_major: int, kv_layout: str) -> bool:
-    from . import kernels  # local: the registry fills up as native modules import
-
     return any(
         k.native and capability_major in k.capability_majors and kv_layout in k.kv_layouts
         and k.available()
-        for k in kernels.registered_kernels()
+        for k in registry.registered_kernels()
     )
 
 

@@ -39,9 +39,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from . import _validation as v
 from .backend import DECODER, FlashInferMLASparseImpl, LayerScales
-from .dcp import _check_dcp_size, _check_rank_value, cp_lse_ag_out_rs
-from .kv_cache import concat_and_cache_mla
-from .metadata import FlashInferMLASparseMetadata
+from .ops.dcp import _check_dcp_size, _check_rank_value, cp_lse_ag_out_rs
+from .ops.kv_cache import concat_and_cache_mla
+from .ops.metadata import FlashInferMLASparseMetadata
 
 __all__ = [
     "TP_AXIS",

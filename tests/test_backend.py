@@ -266,10 +266,10 @@ def test_trtllm_supports_combination_messages():
 
 @pytest.mark.parametrize("native_available", [False, True])
 def test_sm120_supports_combination_messages(monkeypatch, native_available):
-    from jax_sparse_mla import _native
+    from jax_sparse_mla.kernels import native
 
-    targets = _native.targets | {"jax_sparse_mla_sm120_decode"} if native_available else frozenset()
-    monkeypatch.setattr(_native, "targets", targets)
+    targets = native.targets | {"jax_sparse_mla_sm120_decode"} if native_available else frozenset()
+    monkeypatch.setattr(native, "targets", targets)
     b = jsm.FlashInferMLASparseSM120Backend
     if not native_available:
         # Without the SM120 native kernel, vLLM's "API missing" answer comes first.
@@ -285,11 +285,11 @@ def test_sm120_supports_combination_messages(monkeypatch, native_available):
 
 @pytest.mark.parametrize("native_available", [False, True])
 def test_sm90_supports_combination_messages(monkeypatch, native_available):
-    from jax_sparse_mla import _native
+    from jax_sparse_mla.kernels import native
 
-    targets = (_native.targets | {"jax_sparse_mla_sm90_decode_bf16", "jax_sparse_mla_sm90_decode_fp8",
+    targets = (native.targets | {"jax_sparse_mla_sm90_decode_bf16", "jax_sparse_mla_sm90_decode_fp8",
                                   "jax_sparse_mla_sm90_fp8_decode"}) if native_available else frozenset()
-    monkeypatch.setattr(_native, "targets", targets)
+    monkeypatch.setattr(native, "targets", targets)
     b = jsm.FlashInferMLASparseSM90Backend
     assert b.supported_kv_cache_dtypes == ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_ds_mla")
     assert b.get_kv_cache_shape(10, 64, 1, 576, "fp8_ds_mla") == (10, 64, 656)

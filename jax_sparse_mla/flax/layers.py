@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ..backend import FlashInferMLASparseImpl, LayerScales
-from ..kv_cache import concat_and_cache_mla, quantize_query_fp8, scatter_rows
-from ..metadata import FlashInferMLASparseMetadata
+from ..ops.kv_cache import concat_and_cache_mla, quantize_query_fp8, scatter_rows
+from ..ops.metadata import FlashInferMLASparseMetadata
 from .config import MLAConfig
 from .rope import apply_rope
 

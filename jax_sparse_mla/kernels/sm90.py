@@ -1,0 +1,132 @@
+"""The SM90 (H100 / H200) native kernel: FlashInfer's Hopper MLA kernel behind an XLA FFI custom call.
+
+FlashInfer's paged MLA kernel (`mla_hopper.cuh`, the "fa3" backend of `BatchMLAPagedAttentionWrapper`)
+computes exact sparse MLA when each query token is one request whose page table is its list of top-k
+slots, with page_size = 1. The handler in `ffi/sm90_decode.cuh` runs it on the XLA stream:
+
+  * once per static shape (T, H, K, device), FlashInfer's host planner (MLAPlan) splits the work
+    assuming every token keeps all K slots; the plan becomes a constant of the executable;
+  * per call, a small kernel packs each token's valid slots to the front (holes may sit anywhere;
+    slots out of range or past the token's valid count are dropped: the op's index rule, applied
+    here instead of in a separate pass) and clamps every planned work item to the packed count, then one cooperative launch runs the
+    attention and merges the KV splits. No host synchronisation, no allocation: scratch buffers are
+    extra results of the custom call, which the handler declares command-buffer compatible.
+
+The kernel contract (arguments, scales, empty rows) is in `kernels/registry.py`. For fp8 caches the SM90 fp8
+kernel (`sm90_fp8.py`, registered later) takes precedence; FlashInfer's fp8 instantiation stays
+registered as "sm90_flashinfer_fa3" for the benchmark's side-by-side comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import native, registry
+from .. import _validation as v
+
+_TARGETS = {
+    "bfloat16": "jax_sparse_mla_sm90_decode_bf16",
+    "fp8_e4m3": "jax_sparse_mla_sm90_decode_fp8",
+}
+# The kernel loads KV in tiles of 64 rows; the plan covers K rounded up to whole tiles.
+_KV_TILE = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """FlashInfer's MLA plan for one static shape (layout: ffi/sm90_schedule.h).
+
+    schedule: int32 [n] work lists the kernel reads; the other fields are handler attributes.
+    """
+
+    schedule: np.ndarray
+    num_works: int
+    cluster_size: int
+    num_clusters: int
+    num_sms: int
+    partial_o_offset: int
+    partial_lse_offset: int
+    float_workspace_bytes: int
+
+
+@functools.lru_cache(maxsize=512)
+def plan_schedule(num_tokens: int, num_heads: int, padded_keys: int, device_ordinal: int) -> Schedule:
+    """Runs FlashInfer's planner on the host for `num_tokens` x `num_heads` over `padded_keys` slots."""
+    raw = native.module.sm90_schedule(num_tokens, num_heads, padded_keys, device_ordinal)
+    schedule = np.frombuffer(raw.pop("schedule"), dtype=np.int32).copy()
+    schedule.flags.writeable = False
+    return Schedule(schedule=schedule, **raw)
+
+
+def _device_ordinal() -> int:
+    """CUDA ordinal of the device JAX computes on by default (the one the registry checked)."""
+    device = jax.devices()[0]
+    ordinal = getattr(device, "local_hardware_id", None)
+    return int(device.id if ordinal is None else ordinal)
+
+
+def padded_num_keys(num_keys: int) -> int:
+    return max(_KV_TILE, -(-num_keys // _KV_TILE) * _KV_TILE)
+
+
+def _sm90_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
+    """SM90 kernel (contract in kernels/registry.py); q bf16 or fp8, cache bf16 or fp8 e4m3 [.., .., 576]."""
+    num_tokens, num_heads, _ = q.shape
+    if num_tokens == 0:
+        return (jnp.zeros((0, num_heads, v.MLA_V_DIM), jnp.bfloat16),
+                jnp.zeros((0, num_heads), jnp.float32))
+    kv_rows = kv_cache.reshape(-1, v.MLA_HEAD_DIM)
+    fp8_cache = v.is_fp8_e4m3(kv_rows.dtype)
+    num_keys = indices.shape[1]
+    padded_keys = padded_num_keys(num_keys)
+    if valid_counts is None:  # a constant of the executable: no extra kernel
+        valid_counts = jnp.full((num_tokens,), num_keys, jnp.int32)
+    plan = plan_schedule(num_tokens, num_heads, padded_keys, _device_ordinal())
+    # FlashInfer's fp8 path dequantises the cache as kv_scale * kv (bf16) before the matmuls, so the
+    # softmax scale it applies must leave out the k_scale that bmm1_scale already holds.
+    kv_scale = bmm2_scale if fp8_cache else 1.0
+    call = jax.ffi.ffi_call(
+        _TARGETS["fp8_e4m3" if fp8_cache else "bfloat16"],
+        (
+            jax.ShapeDtypeStruct((num_tokens, num_heads, v.MLA_V_DIM), jnp.bfloat16),  # out
+            jax.ShapeDtypeStruct((num_tokens, num_heads), jnp.float32),  # lse
+            jax.ShapeDtypeStruct((num_tokens, padded_keys), jnp.int32),  # packed slots (scratch)
+            jax.ShapeDtypeStruct((2, plan.num_works), jnp.int32),  # per-call KV ranges (scratch)
+            jax.ShapeDtypeStruct((plan.float_workspace_bytes,), jnp.uint8),  # split-KV partials
+        ),
+        # The handler takes one [T, ...] problem; a batch of them runs one call per element.
+        vmap_method="sequential",
+    )
+    out, lse, *_scratch = call(
+        q.astype(jnp.bfloat16),  # exact for an fp8 query; its q_scale is already in bmm1_scale
+        kv_rows,
+        indices,
+        valid_counts,
+        jnp.asarray(plan.schedule),
+        sm_scale=np.float32(bmm1_scale / kv_scale),
+        kv_scale=np.float32(kv_scale),
+        lse_base_e=np.bool_(lse_base == "e"),
+        num_works=np.int64(plan.num_works),
+        cluster_size=np.int64(plan.cluster_size),
+        num_clusters=np.int64(plan.num_clusters),
+        num_sms=np.int64(plan.num_sms),
+        partial_o_offset=np.int64(plan.partial_o_offset),
+        partial_lse_offset=np.int64(plan.partial_lse_offset),
+    )
+    return out, lse
+
+
+registry.register_kernel(registry.SparseMLAKernel(
+    name="sm90_flashinfer_fa3",
+    native=True,
+    capability_majors=(9,),
+    kv_layouts=("bfloat16", "fp8_e4m3"),
+    q_dtypes=("bfloat16", "float8_e4m3fn"),
+    fn=_sm90_kernel,
+    available=lambda: all(native.has_target(t) for t in _TARGETS.values()),
+))

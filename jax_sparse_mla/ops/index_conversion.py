@@ -1,0 +1,260 @@
+"""Top-k index conversion: request-relative token positions to physical KV-cache slots.
+
+The sparse indexer picks, for every query token t, K positions inside t's request. The attention
+kernel reads physical rows `slot = block * block_size + offset` of a paged cache, so each position
+goes through the request's block table. Ports vLLM's target-era
+`sparse_utils.py::triton_convert_req_index_to_global_index` and
+`triton_filter_and_convert_dcp_index` as one vectorised [T, K] computation (no Triton tiling, so
+no tile-order races: compaction is a stable pack). On a CUDA GPU the same public functions run the
+Pallas kernels of `index_conversion_pallas` instead (same checks, same bits; `implementation=`
+forces either).
+
+Per element (N = dcp_size, I = interleave, r = dcp_rank; plain converter: N = 1, r = 0):
+
+    owner = (tok // I) % N                 local = (tok // (N*I)) * I + tok % I
+    blk, off = divmod(local, block_size)   phys  = block_table[req, blk] * block_size + off
+    prefill workspace row (pref_id >= 0):  phys  = workspace_starts[pref_id] + tok
+    invalid = tok < 0 | (not prefill & (blk >= W | owner != r))     -> -1
+
+Positions past the request's seq_len but inside the table width are NOT rejected (they map through
+the table's padding entry), and table entries are trusted, exactly as in vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from .. import _validation as v
+from ..kernels import index_conversion_pallas
+from .dcp import _check_dcp_size, _check_rank_value
+from ..kernels.registry import current_device_capability
+
+__all__ = ["convert_req_index_to_global_index", "filter_and_convert_dcp_index"]
+
+# vLLM's Triton tile width along K; its kernels require K % BLOCK_N == 0, and so do we, so that
+# callers sized for the CUDA path behave the same here.
+BLOCK_N = 128
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def _select_core(implementation: str):
+    """Returns the conversion core (`_convert` or its Pallas twin) that `implementation` names.
+
+    Decided at trace time from the default device, like the attention kernels (kernels.py). "auto"
+    is Pallas on a CUDA GPU: on the H200 it beat the XLA-fused version at every benchmarked shape
+    and mode (benchmarks/bench_index_conversion.py, T = 1 to 8192, K = 2048: 0.28-0.76x its time).
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
+        )
+    on_cuda = current_device_capability() is not None
+    if implementation == "pallas" and not on_cuda:
+        raise ValueError(
+            "implementation='pallas' needs a CUDA GPU (Pallas' Triton lowering); the default "
+            f"device is {jax.devices()[0].platform!r}. Use 'xla' or 'auto'."
+        )
+    if implementation == "auto":
+        implementation = "pallas" if on_cuda else "xla"
+    return index_conversion_pallas.convert if implementation == "pallas" else _convert
+
+
+def _check_common(req_id_per_token, block_table, token_indices, block_size):
+    req_id_per_token = v.int32_array("req_id_per_token", req_id_per_token, 1)
+    block_table = v.int32_array("block_table", block_table, 2)
+    token_indices = v.int32_array("token_indices", token_indices, 2)
+    if req_id_per_token.shape[0] != token_indices.shape[0]:
+        # vLLM's regression guard (#47327): a longer req_id silently mis-assigned requests.
+        raise ValueError(
+            "req_id_per_token and token_indices must cover the same tokens: got "
+            f"req_id_per_token of shape {tuple(req_id_per_token.shape)} and token_indices of "
+            f"shape {tuple(token_indices.shape)}."
+        )
+    k = token_indices.shape[1]
+    if k % BLOCK_N:
+        raise ValueError(
+            f"token_indices.shape[1] (the top-k width K) must be a multiple of {BLOCK_N}, got K={k}."
+        )
+    block_size = v.check_positive_int("block_size", block_size)
+    return req_id_per_token, block_table, token_indices, block_size
+
+
+def _stable_compact(vals: jax.Array, valid: jax.Array) -> jax.Array:
+    """Packs the valid entries of each row to its front, in their original order; the tail is -1."""
+    t, k = vals.shape
+    dest = jnp.cumsum(valid, axis=1, dtype=jnp.int32) - 1
+    dest = jnp.where(valid, dest, k)  # invalid lanes aim past the row and are dropped
+    rows = jnp.arange(t, dtype=jnp.int32)[:, None]
+    return jnp.full((t, k), -1, jnp.int32).at[rows, dest].set(vals, mode="drop")
+
+
+@functools.partial(
+    jax.jit, static_argnames=("block_size", "dcp_size", "interleave", "compact", "count")
+)
+def _convert(
+    req_id, block_table, tok, dcp_rank, pref_ids, pref_starts, *,
+    block_size, dcp_size, interleave, compact, count,
+):
+    n, i = dcp_size, interleave
+    num_reqs, width = block_table.shape
+    # Clamp before arithmetic/gathers: negative tokens are masked below anyway, and the Triton
+    # kernel's masked loads never read out of bounds, so neither may we.
+    pos = jnp.maximum(tok, 0)
+    if n == 1:
+        local = pos  # (pos // I) * I + pos % I == pos
+    else:
+        local = (pos // (n * i)) * i + pos % i
+    blk, off = local // block_size, local % block_size
+    in_width = blk < width
+    if num_reqs * width:
+        # Request ids are trusted like table entries (padded tokens use 0); clip so a bad id can't
+        # read outside the table.
+        req = jnp.clip(req_id, 0, num_reqs - 1)[:, None]
+        entry = block_table[req, jnp.minimum(blk, width - 1)]
+    else:
+        entry = jnp.zeros_like(tok)
+    phys = entry * block_size + off
+    rejected = ~in_width
+    if n > 1:
+        rejected = rejected | ((pos // i) % n != dcp_rank)
+    if pref_ids is not None:
+        # Target era: a prefill row reads the gathered workspace at start + tok, whatever its width.
+        pid = pref_ids[:, None]
+        is_pref = pid >= 0
+        if pref_starts.shape[0]:
+            start = pref_starts[jnp.clip(pid, 0, pref_starts.shape[0] - 1)]
+        else:
+            start = jnp.zeros_like(pid)
+        phys = jnp.where(is_pref, start + tok, phys)
+        rejected = rejected & ~is_pref
+    valid = (tok >= 0) & ~rejected
+    vals = jnp.where(valid, phys, -1).astype(jnp.int32)
+    if compact:
+        vals = _stable_compact(vals, valid)
+    counts = jnp.sum(valid, axis=1, dtype=jnp.int32) if count else None
+    return vals, counts
+
+
+def convert_req_index_to_global_index(
+    req_id_per_token: jax.Array,
+    block_table: jax.Array,
+    token_indices: jax.Array,
+    *,
+    block_size: int = 64,
+    prefill_workspace_request_ids: jax.Array | None = None,
+    prefill_workspace_starts: jax.Array | None = None,
+    return_valid_counts: bool = False,
+    compact: bool = False,
+    implementation: str = "auto",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Maps each query token's top-k request positions to physical cache slots.
+
+    Args:
+      req_id_per_token: [T] int32, the request (block-table row) of every query token.
+      block_table: [R, W] int32 physical block ids per request (entries are trusted).
+      token_indices: [T, K] int32 top-k positions inside the token's request; any negative
+        value is invalid. K must be a multiple of 128.
+      block_size: tokens per cache block (positive int).
+      prefill_workspace_request_ids: optional [T] int32; >= 0 marks a token whose keys were
+        gathered into a contiguous prefill workspace, -1 a normal (paged) token.
+      prefill_workspace_starts: optional [P] int32 start row of each workspace request. Given
+        together with prefill_workspace_request_ids or not at all.
+      return_valid_counts: also return the number of valid slots per token.
+      compact: pack valid slots to the front of each row in their original order, -1 after;
+        False keeps them in place (vLLM's target-era default), holes included.
+      implementation: "auto" (whichever measured faster on a CUDA GPU, pure JAX elsewhere), "xla"
+        (always pure JAX) or "pallas" (the Pallas GPU kernel; ValueError without a CUDA GPU).
+        Every choice gives the same result, bit for bit.
+
+    Returns:
+      phys [T, K] int32 slots (`block * block_size + offset`, or `start + tok` for workspace
+      rows), -1 for negative positions and blocks at or past W; with return_valid_counts, also
+      valid_counts [T] int32.
+    """
+    req_id_per_token, block_table, token_indices, block_size = _check_common(
+        req_id_per_token, block_table, token_indices, block_size
+    )
+    if (prefill_workspace_request_ids is None) != (prefill_workspace_starts is None):
+        raise ValueError(
+            "prefill_workspace_request_ids and prefill_workspace_starts must be given together "
+            "(or both left None)."
+        )
+    if prefill_workspace_request_ids is not None:
+        pref_ids = v.int32_array("prefill_workspace_request_ids", prefill_workspace_request_ids, 1)
+        pref_starts = v.int32_array("prefill_workspace_starts", prefill_workspace_starts, 1)
+        if pref_ids.shape[0] != token_indices.shape[0]:
+            raise ValueError(
+                "prefill_workspace_request_ids must have one entry per token: got shape "
+                f"{tuple(pref_ids.shape)} for token_indices of shape {tuple(token_indices.shape)}."
+            )
+    else:
+        pref_ids = pref_starts = None
+    core = _select_core(implementation)
+    phys, counts = core(
+        req_id_per_token, block_table, token_indices, 0, pref_ids, pref_starts,
+        block_size=block_size, dcp_size=1, interleave=1, compact=bool(compact),
+        count=bool(return_valid_counts),
+    )
+    return (phys, counts) if return_valid_counts else phys
+
+
+def filter_and_convert_dcp_index(
+    req_id_per_token: jax.Array,
+    block_table: jax.Array,
+    token_indices: jax.Array,
+    *,
+    dcp_size: int,
+    dcp_rank: int | jax.Array,
+    cp_kv_cache_interleave_size: int = 1,
+    block_size: int = 64,
+    return_valid_counts: bool = False,
+    compact: bool = True,
+    implementation: str = "auto",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """Keeps the top-k positions this DCP rank owns and maps them to its local cache slots.
+
+    Top-k indices are GLOBAL request positions, identical on every rank; position p lives on rank
+    `(p // I) % N` at local position `(p // (N*I)) * I + p % I`, which this rank's block table
+    (over local positions) maps to a slot.
+
+    Args:
+      req_id_per_token: [T] int32, the request of every query token.
+      block_table: [R, W] int32, this rank's block table over local positions.
+      token_indices: [T, K] int32 global top-k positions; negative = invalid; K % 128 == 0.
+      dcp_size: N >= 1, the DCP world size (Python int).
+      dcp_rank: this rank, an int in [0, N) or a traced int scalar (`jax.lax.axis_index`).
+      cp_kv_cache_interleave_size: I >= 1 with block_size % I == 0.
+      block_size: tokens per cache block (positive int).
+      return_valid_counts: also return the number of owned, valid slots per token.
+      compact: pack the owned slots to the front of each row (stable order), -1 after; False
+        leaves each at its original column.
+      implementation: "auto" (whichever measured faster on a CUDA GPU, pure JAX elsewhere), "xla"
+        (always pure JAX) or "pallas" (the Pallas GPU kernel; ValueError without a CUDA GPU).
+        Every choice gives the same result, bit for bit.
+
+    Returns:
+      phys [T, K] int32 local slots, -1 for invalid, out-of-width or remote positions; with
+      return_valid_counts, also valid_counts [T] int32.
+    """
+    req_id_per_token, block_table, token_indices, block_size = _check_common(
+        req_id_per_token, block_table, token_indices, block_size
+    )
+    n = _check_dcp_size(dcp_size)
+    rank = _check_rank_value("dcp_rank", dcp_rank, n)
+    interleave = v.check_positive_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size)
+    if block_size % interleave:
+        raise ValueError(
+            f"block_size ({block_size}) must be a multiple of cp_kv_cache_interleave_size "
+            f"({interleave})."
+        )
+    core = _select_core(implementation)
+    phys, counts = core(
+        req_id_per_token, block_table, token_indices, rank, None, None,
+        block_size=block_size, dcp_size=n, interleave=interleave, compact=bool(compact),
+        count=bool(return_valid_counts),
+    )
+    return (phys, counts) if return_valid_counts else phys

@@ -1,0 +1,302 @@
+"""The Pallas index-conversion kernels against the pure-JAX version, bit for bit.
+
+`gpu` tests run the kernels through Triton on a CUDA GPU (the public functions with
+implementation="pallas" vs "xla") over vLLM's converter grid: block sizes {16, 64, 128},
+K in {128, 256, 512, 2048, 2176, 4224}, holes, negatives, out-of-width positions, the prefill
+workspace, DCP sizes {1, 2, 4, 8} x interleave {1, 2, 4}, plus random inputs. Compaction is checked
+against the (stable) pure version exactly, and also as sets with a -1 tail. They skip without a
+CUDA GPU; JAX_SPARSE_MLA_REQUIRE_GPU=1 turns that skip into a failure.
+
+The other tests run everywhere: the same kernels in Pallas' interpreter on a small subset, their
+lowering for CUDA (Pallas -> Triton IR, no GPU needed), and the `implementation` keyword.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_sparse_mla.ops import index_conversion
+from jax_sparse_mla.kernels import index_conversion_pallas
+from jax_sparse_mla.ops.index_conversion import (
+    convert_req_index_to_global_index,
+    filter_and_convert_dcp_index,
+)
+from jax_sparse_mla.kernels.registry import current_device_capability
+
+
+@functools.cache
+def skip_reason() -> str:
+    if current_device_capability() is None:
+        return f"needs a CUDA GPU (the default device is {jax.devices()[0].platform!r})"
+    return ""
+
+
+if skip_reason() and os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
+    raise RuntimeError(
+        f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but the Pallas GPU tests cannot run: {skip_reason()}"
+    )
+
+
+
+def on_cuda(test):
+    """Marks a test `gpu` and skips it (with the reason) unless the default device is a CUDA GPU."""
+    skip = pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "-")
+    return pytest.mark.gpu(skip(test))
+
+
+BLOCK_SIZES = (16, 64, 128)
+TOP_KS = (128, 256, 512, 2048, 2176, 4224)
+
+
+def i32(x) -> jax.Array:
+    return jnp.asarray(x, dtype=jnp.int32)
+
+
+def make_case(seed: int, *, num_tokens: int, top_k: int, block_size: int, num_reqs: int = 4,
+              width: int = 40, positions: int | None = None, prefill: bool = False) -> dict:
+    """Inputs shaped like vLLM's converter tests.
+
+    Returns numpy int32 arrays: req_id [T] (one token with a negative id and one with an id >= R,
+    both clipped by the converter), block_table [R, W], token_indices [T, K] with -1 holes, other
+    negatives, positions at and past the table width, and a row with nothing valid; with
+    `prefill`, pref_ids [T] (-1 = paged) and pref_starts [P].
+    """
+    rng = np.random.default_rng(seed)
+    positions = positions or block_size * width
+    req_id = rng.integers(0, num_reqs, num_tokens)
+    if num_tokens > 3:
+        req_id[1], req_id[2] = -1, num_reqs
+    block_table = rng.integers(0, 5000, (num_reqs, width))
+    tok = rng.integers(0, positions, (num_tokens, top_k))
+    draw = rng.random(tok.shape)
+    tok[draw < 0.1] = -1
+    tok[(draw >= 0.1) & (draw < 0.12)] = -rng.integers(2, 1000)
+    tok[draw > 0.95] = block_size * width + rng.integers(0, 3 * block_size)  # out of width
+    tok[num_tokens // 2] = -1
+    case = dict(req_id=req_id, block_table=block_table, tok=tok)
+    if prefill:
+        paged = rng.random(num_tokens) < 0.5
+        case["pref_ids"] = np.where(paged, -1, rng.integers(0, 3, num_tokens))
+        case["pref_starts"] = np.array([0, 70000, 150000])
+    return {name: np.asarray(a, np.int32) for name, a in case.items()}
+
+
+def plain(case: dict, implementation: str, **kwargs):
+    pref = {}
+    if "pref_ids" in case:
+        pref = dict(prefill_workspace_request_ids=i32(case["pref_ids"]),
+                    prefill_workspace_starts=i32(case["pref_starts"]))
+    return convert_req_index_to_global_index(
+        i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]),
+        implementation=implementation, **pref, **kwargs,
+    )
+
+
+def check_compaction(compacted: np.ndarray, counts: np.ndarray, in_place: np.ndarray) -> None:
+    """Every row holds its valid in-place slots (as a multiset) in front, then -1s."""
+    np.testing.assert_array_equal(counts, (in_place >= 0).sum(1))
+    for row, n in enumerate(counts):
+        assert (compacted[row, n:] == -1).all()
+        np.testing.assert_array_equal(
+            np.sort(compacted[row, :n]), np.sort(in_place[row][in_place[row] >= 0])
+        )
+
+
+def assert_same(got, want) -> None:
+    got, want = jax.tree.map(np.asarray, (got, want))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+# ----------------------------------------------------------------------------- GPU (Triton)
+
+
+# Every (block size, K) pair, half of them with prefill workspace rows: each variant is a separate
+# Triton compilation, so the grid is not doubled (the random tests mix both again).
+PLAIN_GRID = [
+    (block_size, top_k, i % 2 == 1)
+    for i, (block_size, top_k) in enumerate(itertools.product(BLOCK_SIZES, TOP_KS))
+]
+
+
+@on_cuda
+@pytest.mark.parametrize("block_size, top_k, prefill", PLAIN_GRID)
+def test_plain_grid_matches_xla(block_size, top_k, prefill):
+    case = make_case(top_k + block_size, num_tokens=37, top_k=top_k, block_size=block_size,
+                     prefill=prefill)
+    in_place = plain(case, "pallas", block_size=block_size)
+    assert_same(in_place, plain(case, "xla", block_size=block_size))
+    for compact in (False, True):
+        got = plain(case, "pallas", block_size=block_size, return_valid_counts=True,
+                    compact=compact)
+        assert_same(got, plain(case, "xla", block_size=block_size, return_valid_counts=True,
+                               compact=compact))
+    check_compaction(np.asarray(got[0]), np.asarray(got[1]), np.asarray(in_place))
+
+
+@on_cuda
+@pytest.mark.parametrize("dcp_size, interleave", list(itertools.product([1, 2, 4, 8], [1, 2, 4])))
+def test_dcp_grid_matches_xla(dcp_size, interleave):
+    block_size = 64
+    top_k = 2176 if interleave == 2 else 2048
+    case = make_case(10 * dcp_size + interleave, num_tokens=29, top_k=top_k,
+                     block_size=block_size, width=16, positions=block_size * 16 * dcp_size + 500)
+
+    def run(implementation, compact):
+        # The rank is traced, as under shard_map: one compilation serves every rank.
+        return jax.jit(lambda rank: filter_and_convert_dcp_index(
+            i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]),
+            dcp_size=dcp_size, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
+            block_size=block_size, return_valid_counts=True, compact=compact,
+            implementation=implementation,
+        ))
+
+    pallas_in_place, pallas_compact = run("pallas", False), run("pallas", True)
+    xla_in_place, xla_compact = run("xla", False), run("xla", True)
+    for rank in range(dcp_size):
+        rank = jnp.int32(rank)
+        in_place = pallas_in_place(rank)
+        compacted = pallas_compact(rank)
+        assert_same(in_place, xla_in_place(rank))
+        assert_same(compacted, xla_compact(rank))
+        check_compaction(np.asarray(compacted[0]), np.asarray(compacted[1]),
+                         np.asarray(in_place[0]))
+
+
+@on_cuda
+@pytest.mark.parametrize("seed", range(4))
+def test_random_inputs_match_xla(seed):
+    rng = np.random.default_rng(100 + seed)
+    block_size = int(rng.choice(BLOCK_SIZES))
+    top_k = 128 * int(rng.integers(1, 40))
+    num_tokens = int(rng.integers(1, 300))
+    case = make_case(seed, num_tokens=num_tokens, top_k=top_k, block_size=block_size,
+                     num_reqs=int(rng.integers(1, 9)), width=int(rng.integers(1, 80)),
+                     prefill=bool(seed % 2))
+    for count, compact in itertools.product((False, True), repeat=2):
+        kwargs = dict(block_size=block_size, return_valid_counts=count, compact=compact)
+        assert_same(plain(case, "pallas", **kwargs), plain(case, "xla", **kwargs))
+    n = int(rng.choice([2, 4, 8]))
+    kwargs = dict(dcp_size=n, dcp_rank=int(rng.integers(0, n)), block_size=block_size,
+                  cp_kv_cache_interleave_size=int(rng.choice([1, 2, 4])),
+                  return_valid_counts=True)
+    args = (i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]))
+    assert_same(filter_and_convert_dcp_index(*args, implementation="pallas", **kwargs),
+                filter_and_convert_dcp_index(*args, implementation="xla", **kwargs))
+
+
+@on_cuda
+@pytest.mark.parametrize(
+    "num_tokens, num_reqs, width, num_starts",
+    [(0, 4, 8, 2), (5, 0, 8, 2), (5, 4, 0, 2), (5, 4, 8, 0), (66000, 4, 8, 2)],
+)
+def test_edge_shapes_match_xla(num_tokens, num_reqs, width, num_starts):
+    """Empty batch, empty table, no workspace starts, and more rows than a CUDA y-grid holds."""
+    rng = np.random.default_rng(7)
+    case = dict(
+        req_id=rng.integers(0, max(num_reqs, 1), num_tokens),
+        block_table=rng.integers(0, 100, (num_reqs, width)),
+        tok=rng.integers(-2, 600, (num_tokens, 128)),
+        pref_ids=rng.integers(-1, 3, num_tokens),
+        pref_starts=rng.integers(0, 1000, num_starts),
+    )
+    for count in (False, True):
+        kwargs = dict(block_size=16, return_valid_counts=count, compact=count)
+        assert_same(plain(case, "pallas", **kwargs), plain(case, "xla", **kwargs))
+
+
+@on_cuda
+def test_runs_inside_jit():
+    case = make_case(3, num_tokens=64, top_k=2048, block_size=64, prefill=True)
+    f = jax.jit(functools.partial(plain, implementation="pallas", block_size=64,
+                                  return_valid_counts=True, compact=True))
+    hlo = jax.jit(lambda: f(case)).lower().as_text()
+    assert "triton" in hlo.lower()  # the Pallas kernel, not the XLA fallback
+    assert_same(f(case), plain(case, "xla", block_size=64, return_valid_counts=True, compact=True))
+
+
+# ----------------------------------------------------------------------------- any backend
+
+
+def _interpret_cases():
+    for block_size, top_k, prefill in [(16, 128, True), (64, 256, False), (128, 384, True)]:
+        yield pytest.param(dict(block_size=block_size, top_k=top_k, prefill=prefill, dcp_size=1,
+                                interleave=1, rank=0), id=f"plain-bs{block_size}-k{top_k}")
+    for dcp_size, interleave in [(2, 1), (4, 2), (8, 4)]:
+        yield pytest.param(dict(block_size=16, top_k=256, prefill=False, dcp_size=dcp_size,
+                                interleave=interleave, rank=dcp_size - 1),
+                           id=f"dcp{dcp_size}-i{interleave}")
+
+
+@pytest.mark.parametrize("spec", list(_interpret_cases()))
+@pytest.mark.parametrize("count, compact", list(itertools.product((False, True), repeat=2)))
+def test_kernels_in_interpret_mode_match_xla(spec, count, compact):
+    """The kernels themselves, in Pallas' interpreter (no GPU needed), against `_convert`."""
+    case = make_case(spec["top_k"], num_tokens=9, top_k=spec["top_k"],
+                     block_size=spec["block_size"], width=6,
+                     positions=spec["block_size"] * 6 * spec["dcp_size"] + 40,
+                     prefill=spec["prefill"])
+    args = (i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]), spec["rank"],
+            i32(case["pref_ids"]) if spec["prefill"] else None,
+            i32(case["pref_starts"]) if spec["prefill"] else None)
+    static = dict(block_size=spec["block_size"], dcp_size=spec["dcp_size"],
+                  interleave=spec["interleave"], compact=compact, count=count)
+    got = index_conversion_pallas.convert(*args, interpret=True, **static)
+    assert_same(got, index_conversion._convert(*args, **static))
+
+
+def test_multi_tile_rows_in_interpret_mode():
+    """K > 4096: compaction spans two row tiles and must stay a stable pack."""
+    case = make_case(5, num_tokens=3, top_k=4224, block_size=64, width=80)
+    args = (i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]), 0, None, None)
+    static = dict(block_size=64, dcp_size=1, interleave=1, compact=True, count=True)
+    got = index_conversion_pallas.convert(*args, interpret=True, **static)
+    assert_same(got, index_conversion._convert(*args, **static))
+
+
+@pytest.mark.parametrize("count, compact", list(itertools.product((False, True), repeat=2)))
+def test_kernels_lower_for_cuda(count, compact):
+    """Pallas -> Triton IR lowering succeeds for CUDA on any host (PTX compilation needs a GPU)."""
+    case = make_case(1, num_tokens=8, top_k=2176, block_size=64, prefill=True)
+    f = functools.partial(index_conversion_pallas.convert, block_size=64, dcp_size=4,
+                          interleave=2, compact=compact, count=count)
+    lowered = jax.jit(f).trace(
+        i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]), jnp.int32(1),
+        i32(case["pref_ids"]), i32(case["pref_starts"]),
+    ).lower(lowering_platforms=("cuda",))
+    assert "triton" in lowered.as_text().lower()
+
+
+def test_xla_implementation_is_forced_everywhere():
+    case = make_case(2, num_tokens=4, top_k=128, block_size=16)
+    forced = plain(case, "xla", block_size=16, return_valid_counts=True)
+    assert_same(forced, plain(case, "auto", block_size=16, return_valid_counts=True))
+    hlo = jax.jit(lambda: plain(case, "xla", block_size=16)).lower().as_text()
+    assert "triton" not in hlo.lower()
+
+
+@pytest.mark.skipif(not skip_reason(), reason="checks the error raised without a CUDA GPU")
+@pytest.mark.parametrize("fn", ["plain", "dcp"])
+def test_pallas_without_cuda_gpu_raises(fn):
+    args = (i32(np.zeros(2)), i32(np.zeros((1, 4))), i32(np.zeros((2, 128))))
+    with pytest.raises(ValueError, match="needs a CUDA GPU"):
+        if fn == "plain":
+            convert_req_index_to_global_index(*args, implementation="pallas")
+        else:
+            filter_and_convert_dcp_index(*args, dcp_size=2, dcp_rank=0, implementation="pallas")
+
+
+@pytest.mark.parametrize("fn", ["plain", "dcp"])
+def test_rejects_unknown_implementation(fn):
+    args = (i32(np.zeros(2)), i32(np.zeros((1, 4))), i32(np.zeros((2, 128))))
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        if fn == "plain":
+            convert_req_index_to_global_index(*args, implementation="triton")
+        else:
+            filter_and_convert_dcp_index(*args, dcp_size=2, dcp_rank=0, implementation="triton")

@@ -1,0 +1,307 @@
+"""CPU tests of the native paths' host side: the shared argument validation of the SM100 (TRTLLM-gen) and
+SM120 kernels, dispatch by compute capability, the index compaction in front of TRTLLM-gen, and, when
+the extension is built, its registrations, SHA-256 and cubin lookup (ffi/cubin_loader.cc).
+
+The extension tests skip when it is not importable; JAX_SPARSE_MLA_REQUIRE_NATIVE=1 (set by
+.ci/build_native.sh) turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+from jax_sparse_mla.kernels import native, registry, sm120, sm90_fp8
+from jax_sparse_mla.kernels import sm100_trtllm_gen as trtllm_gen
+from jax_sparse_mla.kernels.registry import Problem
+
+ALL_TARGETS = {
+    "jax_sparse_mla_sm90_decode_bf16",
+    "jax_sparse_mla_sm90_decode_fp8",
+    "jax_sparse_mla_sm90_fp8_decode",
+    "jax_sparse_mla_trtllm_gen_decode",
+    "jax_sparse_mla_sm120_decode",
+}
+
+
+def problem(**override):
+    base = dict(num_tokens=4, num_heads=128, num_keys=2048, block_size=64, kv_layout="bfloat16",
+                q_dtype="bfloat16")
+    base.update(override)
+    return Problem(**base)
+
+
+# --- shared validation -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("override", [
+    {}, dict(num_heads=64), dict(num_heads=16), dict(num_heads=1), dict(block_size=32),
+    dict(num_keys=4), dict(kv_layout="float16", q_dtype="float16"),
+    dict(kv_layout="fp8_e4m3", q_dtype="float8_e4m3fn"),
+])
+def test_trtllm_gen_accepts(override):
+    assert trtllm_gen.check_problem(problem(**override)) is None
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(num_heads=96), "64 < num_heads < 128"),
+    (dict(num_heads=65), "64 < num_heads < 128"),
+    (dict(block_size=16), "block_size must be 32 or 64"),
+    (dict(block_size=128), "block_size must be 32 or 64"),
+    (dict(num_keys=2046), "positive multiple of 4"),
+    (dict(num_keys=0), "positive multiple of 4"),
+    (dict(kv_layout="fp8_e4m3", q_dtype="bfloat16"), "needs a float8_e4m3fn query"),
+    (dict(kv_layout="bfloat16", q_dtype="float16"), "needs a bfloat16 query"),
+    (dict(kv_layout="fp8_ds_mla", q_dtype="bfloat16"), "kv layout 'fp8_ds_mla'"),
+])
+def test_trtllm_gen_rejects(override, message):
+    assert message in trtllm_gen.check_problem(problem(**override))
+
+
+@pytest.mark.parametrize("override", [
+    dict(num_heads=128), dict(num_heads=8), dict(num_heads=100), dict(num_heads=1),
+    dict(num_keys=2047), dict(block_size=256),
+])
+def test_sm120_accepts(override):
+    assert sm120.check_problem(problem(kv_layout="fp8_ds_mla", **override)) is None
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(num_heads=129), "num_heads must be in [1, 128]"),
+    (dict(q_dtype="float16"), "needs a bfloat16 query"),
+    (dict(kv_layout="bfloat16"), "needs an fp8_ds_mla cache"),
+    (dict(num_keys=0), "K must be positive"),
+])
+def test_sm120_rejects(override, message):
+    assert message in sm120.check_problem(problem(**{"kv_layout": "fp8_ds_mla", **override}))
+
+
+def test_capability_checks_name_the_missing_build(monkeypatch):
+    monkeypatch.setattr(native, "build_info", lambda: {"sm100": "100a", "sm120": "120a",
+                                                        "trtllm_gen_num_kernels": 0})
+    assert "no sm_103a code (built for 100a)" in trtllm_gen.check_problem(problem(), (10, 3))
+    assert "without FlashInfer's TRTLLM-gen kernel table" in trtllm_gen.check_problem(problem(), (10, 0))
+    assert "no sm_121a code" in sm120.check_problem(problem(kv_layout="fp8_ds_mla"), (12, 1))
+    assert sm120.check_problem(problem(kv_layout="fp8_ds_mla"), (12, 0)) is None
+
+
+# --- dispatch by compute capability --------------------------------------------------------------------
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """Pretends the default device is a CUDA GPU of a given capability with every native target built."""
+    def set_capability(capability, build=None):
+        monkeypatch.setattr(registry, "current_device_capability", lambda: capability)
+        monkeypatch.setattr(native, "targets", frozenset(ALL_TARGETS))
+        monkeypatch.setattr(native, "module", object())
+        monkeypatch.setattr(native, "build_info", lambda: build if build is not None else {
+            "sm90": "90a", "sm100": "100a,103a", "sm120": "120a,121a", "trtllm_gen_num_kernels": 5})
+    return set_capability
+
+
+@pytest.mark.parametrize("capability,layout,q_dtype,expected", [
+    ((10, 0), "bfloat16", "bfloat16", "sm100_flashinfer_trtllm_gen"),
+    ((10, 3), "fp8_e4m3", "float8_e4m3fn", "sm100_flashinfer_trtllm_gen"),
+    ((10, 0), "float16", "float16", "sm100_flashinfer_trtllm_gen"),
+    ((12, 0), "fp8_ds_mla", "bfloat16", "sm120_flashinfer_sparse_mla"),
+    ((12, 1), "fp8_ds_mla", "bfloat16", "sm120_flashinfer_sparse_mla"),
+    ((9, 0), "bfloat16", "bfloat16", "sm90_flashinfer_fa3"),
+    ((9, 0), "fp8_e4m3", "bfloat16", "sm90_fp8"),
+    ((9, 0), "fp8_e4m3", "float8_e4m3fn", "sm90_fp8"),
+    ((9, 0), "fp8_ds_mla", "bfloat16", "sm90_fp8"),
+    ((8, 0), "bfloat16", "bfloat16", "xla"),
+    ((10, 0), "fp8_ds_mla", "bfloat16", "xla"),  # no SM100 kernel for fp8_ds_mla
+    ((12, 0), "bfloat16", "bfloat16", "xla"),  # no SM120 kernel for a bf16 cache
+])
+def test_dispatch_by_capability(fake_gpu, capability, layout, q_dtype, expected):
+    fake_gpu(capability)
+    p = problem(kv_layout=layout, q_dtype=q_dtype)
+    assert registry.select_kernel(layout, q_dtype, "auto", p).name == expected
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 128, 8192])
+@pytest.mark.parametrize("num_heads", [1, 16, 20, 32, 64, 128])
+@pytest.mark.parametrize("num_keys", [0, 1, 128, 2048, 2049, 4224])
+def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys):
+    p = sm90_fp8.plan(num_tokens, num_heads, num_keys, 132)
+    assert p.heads_per_cta == (16 if num_heads <= 16 else 64)
+    assert p.keys_per_split % 64 == 0 and 0 < p.keys_per_split <= 2048
+    assert p.num_splits * p.keys_per_split >= num_keys  # every key lies in a split
+    assert (p.num_splits - 1) * p.keys_per_split < max(num_keys, 1)  # no split wholly past K
+    # Splits only to fill idle SMs, or because a split holds at most 2048 keys.
+    ctas = num_tokens * -(-num_heads // p.heads_per_cta)
+    assert p.num_splits <= max(1, -(-num_keys // 2048), 132 // ctas)
+
+
+def test_auto_falls_back_and_native_explains(fake_gpu):
+    fake_gpu((10, 0))
+    bad = problem(num_heads=96)
+    assert registry.select_kernel("bfloat16", "bfloat16", "auto", bad).name == "xla"
+    with pytest.raises(ValueError, match="sm100_flashinfer_trtllm_gen: 64 < num_heads < 128"):
+        registry.select_kernel("bfloat16", "bfloat16", "native", bad)
+    mixed = problem(kv_layout="fp8_e4m3", q_dtype="bfloat16")
+    with pytest.raises(ValueError, match="needs a float8_e4m3fn query"):
+        registry.select_kernel("fp8_e4m3", "bfloat16", "native", mixed)
+
+
+def test_native_without_kernel_table_is_a_clear_error(fake_gpu):
+    fake_gpu((10, 0), build={"sm100": "100a,103a", "trtllm_gen_num_kernels": 0})
+    with pytest.raises(ValueError, match="without FlashInfer's TRTLLM-gen kernel table"):
+        registry.select_kernel("bfloat16", "bfloat16", "native", problem())
+    assert registry.select_kernel("bfloat16", "bfloat16", "auto", problem()).name == "xla"
+
+
+def test_public_op_checks_shapes_before_a_native_call(fake_gpu):
+    """The op builds the Problem from its arguments: block size 16 rules TRTLLM-gen out at trace time."""
+    fake_gpu((10, 0))
+    q = jnp.zeros((2, 16, 576), jnp.bfloat16)
+    cache = jnp.zeros((4, 16, 576), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_size must be 32 or 64, got 16"):
+        jsm.sparse_mla_decode(q, cache, jnp.zeros((2, 8), jnp.int32), scale=0.1,
+                              implementation="native")
+
+
+# --- the compaction in front of TRTLLM-gen ------------------------------------------------------------
+
+def test_compact_slots_keeps_order_and_counts():
+    rng = np.random.default_rng(0)
+    indices = rng.integers(0, 1000, (7, 32)).astype(np.int32)
+    indices[rng.random(indices.shape) < 0.4] = -1
+    indices[3] = -1  # a row with nothing valid
+    slots, counts = jax.jit(trtllm_gen.compact_slots)(jnp.asarray(indices))
+    for row, out, count in zip(indices, np.asarray(slots), np.asarray(counts)):
+        valid = row[row >= 0]
+        assert count == len(valid)
+        np.testing.assert_array_equal(out[:count], valid)
+        assert (out[count:] == -1).all()
+
+
+def test_scratch_sizes():
+    assert trtllm_gen.counter_bytes(1, 16) == 1024 * 4  # at least one slot per possible SM
+    assert trtllm_gen.counter_bytes(512, 128) == 512 * 128 * 4
+    assert trtllm_gen.workspace_bytes(4, 16) >= trtllm_gen.SCRATCH_BYTES + 8 * 4 * 16 * 256
+
+
+# --- the built extension ---------------------------------------------------------------------------------
+
+def _require_native():
+    if native.module is None:
+        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but {native.missing_reason()}")
+        pytest.skip(native.missing_reason())
+    return native.module
+
+
+def test_extension_registers_every_handler():
+    module = _require_native()
+    assert set(module.registrations()) == ALL_TARGETS
+    info = module.build_info()
+    assert info["sm90"] == "90a"
+    assert "100a" in info["sm100"].split(",")
+    assert "120a" in info["sm120"].split(",")
+    assert info["trtllm_gen_cubin_path"].endswith("fmha/trtllm-gen/")
+
+
+def test_command_buffer_targets_are_the_graph_safe_handlers():
+    # TRTLLM-gen may load a cubin module on its first call, which a CUDA graph capture must not do.
+    module = _require_native()
+    assert set(module.command_buffer_targets()) == ALL_TARGETS - {"jax_sparse_mla_trtllm_gen_decode"}
+
+
+@pytest.mark.parametrize("size", [0, 1, 55, 56, 63, 64, 65, 119, 120, 128, 1000, 100_000])
+def test_sha256_matches_hashlib(size):
+    module = _require_native()
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    assert module.sha256_hex(data) == hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def cubin_dirs(tmp_path, monkeypatch):
+    """Three cubin folders: FLASHINFER_CUBIN_DIR, a registered package folder, the workspace cache."""
+    module = _require_native()
+    env_dir, package_dir, base = tmp_path / "env", tmp_path / "package", tmp_path / "base"
+    cache_dir = base / ".cache" / "flashinfer" / "cubins"
+    for d in (env_dir, package_dir, cache_dir):
+        d.mkdir(parents=True)
+    monkeypatch.setenv("FLASHINFER_CUBIN_DIR", str(env_dir))
+    monkeypatch.setenv("FLASHINFER_WORKSPACE_BASE", str(base))
+    monkeypatch.delenv("FLASHINFER_CUBIN_CHECKSUM_DISABLED", raising=False)
+    module.set_cubin_package_dir(str(package_dir))
+    yield module, env_dir, package_dir, cache_dir
+    module.set_cubin_package_dir(native.flashinfer_cubin_package_dir())
+
+
+def _write(folder, relative, data):
+    path = folder / relative
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def test_cubin_search_order(cubin_dirs):
+    module, env_dir, package_dir, cache_dir = cubin_dirs
+    assert module.cubin_search_dirs() == [str(env_dir), str(package_dir), str(cache_dir)]
+    good = b"\x7fELF good cubin"
+    sha = hashlib.sha256(good).hexdigest()
+    name = "abc/fmha/trtllm-gen/kernel.cubin"
+    _write(cache_dir, name, good)
+    # FlashInfer joins "<artifact>/" + "/" + name: the double slash is accepted.
+    assert module.resolve_cubin("abc/fmha/trtllm-gen//kernel.cubin", sha) == good
+    _write(env_dir, name, b"corrupt")  # wrong sha256 in the first folder: skipped, not fatal
+    assert module.resolve_cubin(name, sha) == good
+    _write(package_dir, name, good)
+    assert module.resolve_cubin(name, sha) == good
+
+
+def test_missing_cubin_names_file_and_folders(cubin_dirs):
+    module, env_dir, package_dir, cache_dir = cubin_dirs
+    name = "abc/fmha/trtllm-gen/missing.cubin"
+    _write(package_dir, name, b"stale")
+    with pytest.raises(RuntimeError) as error:
+        module.resolve_cubin(name, "0" * 64)
+    message = str(error.value)
+    assert f"FlashInfer cubin {name} (sha256 {'0' * 64}) was not found" in message
+    assert "never downloads" in message
+    assert f"{env_dir}/{name} (missing)" in message
+    assert f"{package_dir}/{name} (sha256 {hashlib.sha256(b'stale').hexdigest()}, expected" in message
+    assert f"{cache_dir}/{name} (missing)" in message
+
+
+def test_checksum_check_can_be_disabled(cubin_dirs, monkeypatch):
+    module, env_dir, _, _ = cubin_dirs
+    _write(env_dir, "k.cubin", b"anything")
+    with pytest.raises(RuntimeError):
+        module.resolve_cubin("k.cubin", "f" * 64)
+    monkeypatch.setenv("FLASHINFER_CUBIN_CHECKSUM_DISABLED", "1")
+    assert module.resolve_cubin("k.cubin", "f" * 64) == b"anything"
+
+
+def _plan_reference(tokens, heads, top_k, sm_count):
+    """FlashInfer's resolve_wave_cpb and decode branch (attention_resolve.cu), in Python."""
+    chunks = -(-top_k // 64)
+    per_token_head = tokens * -(-heads // 16)
+    cpb, best_gap = 1, 2.0
+    for candidate in range(1, chunks + 1):
+        active = per_token_head * -(-chunks // candidate)
+        ceil_w = -(-active // sm_count)
+        if ceil_w > 3:
+            continue
+        gap = float(np.float32(ceil_w) - np.float32(active) / np.float32(sm_count))
+        if gap < best_gap - 1e-6 or (gap < best_gap + 1e-6 and candidate > cpb):
+            best_gap, cpb = gap, candidate
+    return dict(chunks=chunks, chunks_per_block=cpb, num_splits=-(-chunks // cpb),
+                scratch_heads=8 if heads == 8 else -(-heads // 16) * 16)
+
+
+@pytest.mark.parametrize("tokens,heads,top_k", [
+    (1, 128, 2048), (4, 8, 2048), (32, 16, 2048), (512, 128, 2048), (3, 100, 100), (64, 64, 512),
+])
+def test_sm120_plan_matches_flashinfer(tokens, heads, top_k):
+    module = _require_native()
+    assert dict(module.sm120_plan(tokens, heads, top_k, 188)) == _plan_reference(tokens, heads, top_k, 188)
+    with pytest.raises(ValueError, match="num_heads"):
+        module.sm120_plan(1, 129, 2048, 188)
