@@ -132,6 +132,26 @@ def device_sm_count() -> int:
     return int(count)
 
 
+def rejection_reason(kernel: SparseMLAKernel, kv_layout: str, q_dtype_name: str,
+                     problem: Problem | None = None) -> str | None:
+    """Why the native `kernel` cannot run this call on the default device, or None when it can."""
+    capability = current_device_capability()
+    if capability is None:
+        return "the default device is not a CUDA GPU"
+    if capability[0] not in kernel.capability_majors:
+        return (f"needs compute capability major {kernel.capability_majors}, "
+                f"device has {capability[0]}.{capability[1]}")
+    if kv_layout not in kernel.kv_layouts:
+        return f"kv layout {kv_layout!r} not in {kernel.kv_layouts}"
+    if q_dtype_name not in kernel.q_dtypes:
+        return f"query dtype {q_dtype_name} not in {kernel.q_dtypes}"
+    if not kernel.available():
+        return "the native extension is not built or failed to load"
+    if problem is not None and kernel.check is not None:
+        return kernel.check(problem, capability)
+    return None
+
+
 def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto",
                   problem: Problem | None = None) -> SparseMLAKernel:
     """Picks the kernel for this device, cache layout and query dtype.
@@ -145,29 +165,14 @@ def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto
     xla = next(k for k in _KERNELS if not k.native)
     if implementation == "xla":
         return xla
-    capability = current_device_capability()
     reasons = []
     for kernel in reversed(_KERNELS):
         if not kernel.native:
             continue
-        if capability is None:
-            reasons.append(f"{kernel.name}: the default device is not a CUDA GPU")
-        elif capability[0] not in kernel.capability_majors:
-            reasons.append(
-                f"{kernel.name}: needs compute capability major {kernel.capability_majors}, "
-                f"device has {capability[0]}.{capability[1]}"
-            )
-        elif kv_layout not in kernel.kv_layouts:
-            reasons.append(f"{kernel.name}: kv layout {kv_layout!r} not in {kernel.kv_layouts}")
-        elif q_dtype_name not in kernel.q_dtypes:
-            reasons.append(f"{kernel.name}: query dtype {q_dtype_name} not in {kernel.q_dtypes}")
-        elif not kernel.available():
-            reasons.append(f"{kernel.name}: the native extension is not built or failed to load")
-        elif problem is not None and kernel.check is not None and (
-                reason := kernel.check(problem, capability)):
-            reasons.append(f"{kernel.name}: {reason}")
-        else:
+        reason = rejection_reason(kernel, kv_layout, q_dtype_name, problem)
+        if reason is None:
             return kernel
+        reasons.append(f"{kernel.name}: {reason}")
     if implementation == "native":
         detail = "; ".join(reasons) if reasons else "no native kernel is registered"
         raise ValueError(f"implementation='native' was requested but no native kernel fits: {detail}.")
