@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Builds the native extension with Bazel (BUILD.bazel, issue 10), offline, from the packages the pip
-# build used: jaxlib's FFI headers, nanobind, flashinfer-python and the CUDA toolkit of this machine.
-# Installs Debian's Bazel (bazel-bootstrap, 4.2.3) when there is no bazel. The module lands in
-# build/bazel-bin/_jax_sparse_mla_native.so, the Bazel state in build/bazel (both git-ignored). Then
-#   JAX_SPARSE_MLA_BAZEL_EXT=build/bazel-bin/_jax_sparse_mla_native.so pytest tests/test_bazel_build.py
-# checks it against the installed CMake-built module.
+# Builds the native extension with Bazel (BUILD.bazel), offline, from local inputs: the XLA FFI
+# headers of the jaxlib in .venv (`make demo` made it), nanobind (installed into .venv here), the
+# pinned FlashInfer headers (ffi/flashinfer_headers.py, without torch) and this machine's CUDA
+# toolkit. Installs Debian's Bazel (bazel-bootstrap, 4.2.3) when there is no bazel. The module lands
+# in build/bazel-bin/_jax_sparse_mla_native.so, the Bazel state in build/bazel (both git-ignored).
+# Then JAX_SPARSE_MLA_BAZEL_EXT=build/bazel-bin/_jax_sparse_mla_native.so pytest
+# tests/test_bazel_build.py checks it against the installed CMake-built module.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
@@ -16,8 +17,10 @@ if ! command -v bazel >/dev/null 2>&1; then
   apt-get install -y -qq --no-install-recommends bazel-bootstrap >/dev/null
 fi
 
-# The interpreter whose site-packages hold jax, nanobind and flashinfer-python (bazel/local_deps.bzl).
-export PYTHON_BIN_PATH="${PYTHON_BIN_PATH:-$(python -c 'import sys; print(sys.executable)')}"
+# The interpreter whose site-packages hold jax and nanobind (bazel/local_deps.bzl).
+export PYTHON_BIN_PATH="${PYTHON_BIN_PATH:-$PWD/.venv/bin/python}"
+"$PYTHON_BIN_PATH" -m pip install --quiet "nanobind==3.1.0"
+export FLASHINFER_DATA_DIR="${FLASHINFER_DATA_DIR:-$("$PYTHON_BIN_PATH" ffi/flashinfer_headers.py build/flashinfer)}"
 output_base="${JAX_SPARSE_MLA_BAZEL_OUTPUT_BASE:-$PWD/build/bazel}"
 # Each SM90 kernel file takes ~30 s and a few GB in nvcc; as many at once as the pip build allows.
 jobs="${JAX_SPARSE_MLA_NVCC_JOBS:-2}"

@@ -85,8 +85,15 @@ def missing_reason() -> str:
     """Why the extension is unavailable, for error messages and test skips."""
     if module is not None:
         return ""
+    package = pathlib.Path(__file__).resolve().parent.parent
+    if not list(package.glob("_jax_sparse_mla_native*")):
+        why = f"there is no compiled extension in {package}"
+        if (package.parent / "ffi" / "CMakeLists.txt").is_file():
+            why += " (a source checkout: use the installed package, e.g. run from another folder)"
+    else:
+        why = f"it failed to load: {import_error}"
     return (
-        f"the native extension jax_sparse_mla._jax_sparse_mla_native is not built ({import_error}); "
-        "install with nvcc and flashinfer-python present: "
-        "JAX_SPARSE_MLA_CUDA=ON pip install --no-build-isolation ."
+        f"the native extension jax_sparse_mla._jax_sparse_mla_native is unavailable: {why}; "
+        "it is built by `pip install .` on a machine with nvcc (JAX_SPARSE_MLA_CUDA=ON makes a "
+        "missing toolchain an error)"
     )

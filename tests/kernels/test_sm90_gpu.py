@@ -151,6 +151,18 @@ def test_split_kv_with_empty_splits(num_heads):
                    out_rtol=1e-2)
 
 
+def run_script(args: list[str], *, xla_flags: str, cwd, timeout: int) -> subprocess.CompletedProcess:
+    """Runs a child Python process the way a user's script runs: from `cwd` (not the checkout, whose
+    jax_sparse_mla has no compiled extension), importing the installed package, with this folder
+    and tests/ on its path for the test modules, and without JAX's preallocation (the parent pytest
+    process holds the GPU too)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=xla_flags,
+               PYTHONPATH=os.pathsep.join(p for p in path if p))
+    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
 MEMCHECK_GRID = [(1, 16, 128), (3, 128, 256)]
 MEMCHECK_SCRIPT = textwrap.dedent("""
     import test_sm90_fp8_gpu as fp8_cases
@@ -163,18 +175,16 @@ MEMCHECK_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_memcheck_clean():
+def test_memcheck_clean(tmp_path):
     """The small grid under compute-sanitizer --tool memcheck, as a plain script (pytest under the
     sanitizer crashes in the interpreter): every case matches and the sanitizer reports 0 errors."""
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not on PATH")
     # No autotuning: under the sanitizer every candidate kernel XLA times would be instrumented too.
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
-               XLA_FLAGS="--xla_gpu_autotune_level=0",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    result = subprocess.run([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
-                             "-c", MEMCHECK_SCRIPT], env=env, capture_output=True, text=True, timeout=900)
+    result = run_script([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
+                         "-c", MEMCHECK_SCRIPT], xla_flags="--xla_gpu_autotune_level=0",
+                        cwd=tmp_path, timeout=900)
     report = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 0, report
     assert "MEMCHECK GRID PASSED" in result.stdout, report
@@ -304,13 +314,11 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("kv_dtype,num_heads", [("bf16", 16), ("fp8", 16), ("fp8", 128)])
 def test_under_command_buffers(tmp_path, kv_dtype, num_heads):
     """The handlers claim kCmdBufferCompatible: run them inside XLA command buffers (CUDA graphs)."""
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (f"--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
-                        f"--xla_gpu_graph_min_graph_size=1 --xla_dump_to={tmp_path} "
-                        f"--xla_dump_hlo_as_text")
-    result = subprocess.run([sys.executable, "-c", COMMAND_BUFFER_SCRIPT, str(tmp_path), kv_dtype,
-                             str(num_heads)],
-                            env=env, capture_output=True, text=True, timeout=300)
+    dump = tmp_path / "dump"
+    flags = (f"--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1 "
+             f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
+    result = run_script([sys.executable, "-c", COMMAND_BUFFER_SCRIPT, str(dump), kv_dtype,
+                         str(num_heads)], xla_flags=flags, cwd=tmp_path, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
     _, error, in_command_buffer, has_nan = line.split()

@@ -1,0 +1,114 @@
+"""`python -m jax_sparse_mla`: what this installation holds and what each op would run here.
+
+Prints the versions (Python, jax, jaxlib, the FlashInfer headers the extension was built against), the
+default device, the native kernel families the extension holds and their machine code, and for this
+machine the implementation each public op would dispatch to under implementation="auto", with the
+registry's reason for every native kernel it passed over.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import pathlib
+import platform
+
+import jax
+
+from . import __version__
+from .kernels import native, registry
+from .ops import index_conversion
+
+# A DeepSeek-V3.2 decode step (128 heads, top-k 2048, block size 64): the shapes the per-kernel
+# checks see when the dispatch table is printed.
+_EXAMPLE_PROBLEM = dict(num_tokens=128, num_heads=128, num_keys=2048, block_size=64)
+_CACHE_LAYOUTS = (("bf16", "bfloat16"), ("fp8 (e4m3)", "fp8_e4m3"), ("fp8_ds_mla", "fp8_ds_mla"))
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def build_config() -> dict:
+    """jax_sparse_mla/_build_config.json, written by the install's CMake step ({} in a source tree)."""
+    path = pathlib.Path(__file__).with_name("_build_config.json")
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _device_line() -> str:
+    device = jax.devices()[0]
+    line = f"{device.platform} ({device.device_kind}"
+    capability = registry.current_device_capability()
+    if capability is not None:
+        line += f", compute capability {capability[0]}.{capability[1]}"
+    return line + f"), {jax.device_count()} device(s)"
+
+
+def _extension_lines() -> list[str]:
+    config = build_config()
+    if native.module is None:
+        reason = config.get("reason") or native.missing_reason()
+        return [f"native extension: not built, pure JAX only ({reason})"]
+    info = native.build_info()
+    lines = ["native extension: built"
+             + (f" against jaxlib {config['jaxlib']}, FlashInfer {config['flashinfer']} headers, "
+                f"CUDA {config['cuda']}" if config.get("native") else "")]
+    families = {"sm90": "SM90 (H100/H200)", "sm100": "SM100/SM103 TRTLLM-gen (B200/B300)",
+                "sm120": "SM120/SM121 (RTX Pro 6000, DGX Spark)"}
+    for family, name in families.items():
+        if family in info:
+            codes = ", ".join(f"sm_{code}" for code in info[family].split(","))
+            lines.append(f"  {family:6s} {name}: machine code {codes}")
+    if "sm100" in info:
+        count = info.get("trtllm_gen_num_kernels", 0)
+        digest = info.get("trtllm_gen_metainfo_hash") or "none"
+        lines.append(f"  TRTLLM-gen kernel table {digest} ({count} kernels)")
+    return lines
+
+
+def _attention_lines() -> list[str]:
+    if registry.current_device_capability() is None:
+        return [f"  sparse_mla_decode, {label} cache: xla (pure JAX: the default device is not a "
+                "CUDA GPU)" for label, _ in _CACHE_LAYOUTS]
+    lines = []
+    natives = [k for k in reversed(registry.registered_kernels()) if k.native]
+    for label, layout in _CACHE_LAYOUTS:
+        problem = registry.Problem(**_EXAMPLE_PROBLEM, kv_layout=layout, q_dtype="bfloat16")
+        chosen, passed_over = "xla (pure JAX)", []
+        for kernel in natives:
+            reason = registry.rejection_reason(kernel, layout, "bfloat16", problem)
+            if reason is None:
+                chosen = kernel.name
+                break
+            passed_over.append(f"{kernel.name}: {reason}")
+        lines.append(f"  sparse_mla_decode, {label} cache: {chosen}")
+        lines.extend(f"      not {line}" for line in passed_over)
+    return lines
+
+
+def _index_conversion_lines() -> list[str]:
+    core = index_conversion._select_core("auto")
+    chosen = "xla (pure JAX)" if core is index_conversion._convert else "pallas (Triton)"
+    why = ("" if registry.current_device_capability() is not None
+           else " (the Pallas kernels need a CUDA GPU)")
+    return [f"  convert_req_index_to_global_index, filter_and_convert_dcp_index: {chosen}{why}"]
+
+
+def main() -> None:
+    print(f"jax-sparse-mla {__version__}")
+    print(f"  Python {platform.python_version()}, jax {_version('jax')}, jaxlib {_version('jaxlib')}, "
+          f"flax {_version('flax')}")
+    print(f"  default device: {_device_line()}")
+    for line in _extension_lines():
+        print(line)
+    shape = ", ".join(f"{k}={v}" for k, v in _EXAMPLE_PROBLEM.items())
+    print(f'dispatch here with implementation="auto" (bf16 query, {shape}):')
+    for line in _attention_lines() + _index_conversion_lines():
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
