@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla import convert_req_index_to_global_index, filter_and_convert_dcp_index
-from jax_sparse_mla.kernels import current_device_capability
+from jax_sparse_mla.kernels.registry import current_device_capability
 from timing import median_seconds
 
 NUM_REQS, BLOCK_SIZE, TABLE_WIDTH = 64, 64, 1024

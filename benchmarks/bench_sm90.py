@@ -7,7 +7,7 @@ In one process, by default for T in {1, 8, 32, 128, 512} x H in {16, 64, 128}, K
 and T in {8, 128, 512} x H in {16, 128} with fp8 caches (per-tensor e4m3 "fp8", and "fp8_ds_mla"):
   native            jax.jit(sparse_mla_decode(..., implementation="native")), bf16 cache: FlashInfer's
                     Hopper MLA kernel behind our XLA FFI handler
-  native_fp8        the same call with an fp8 cache: our fp8 kernel (ffi/sm90_fp8_kernel.cuh)
+  native_fp8        the same call with an fp8 cache: our fp8 kernel (ffi/sm90/sm90_fp8_kernel.cuh)
   native_fa3_fp8    FlashInfer's Hopper MLA kernel on the per-tensor fp8 cache behind our handler
   xla               jax.jit(sparse_mla_decode(..., implementation="xla"))     (pure JAX)
   flashinfer_torch  FlashInfer's BatchMLAPagedAttentionWrapper(backend="fa3"), page_size = 1, from torch
@@ -79,7 +79,7 @@ def decode_kwargs(kv_dtype):
 
 def make_inputs(kv_dtypes, seed=0):
     """{kv_dtype: cache [rows, row width]} over NUM_REGIONS regions, made on device."""
-    from jax_sparse_mla.kv_cache import pack_ds_mla_rows
+    from jax_sparse_mla.ops.kv_cache import pack_ds_mla_rows
 
     rows = NUM_REGIONS * REGION_ROWS
     bf16 = jax.random.normal(jax.random.key(seed), (rows, 576), jnp.bfloat16)
@@ -132,9 +132,9 @@ def decode(q, cache, indices, implementation, kernel, kwargs):
     if kernel is None:
         return jsm.sparse_mla_decode(q, cache, indices, scale=SCALE, implementation=implementation,
                                      **kwargs)[0]
-    from jax_sparse_mla import kernels
+    from jax_sparse_mla.kernels import registry
 
-    fn = next(k for k in kernels.registered_kernels() if k.name == kernel).fn
+    fn = next(k for k in registry.registered_kernels() if k.name == kernel).fn
     k_scale = kwargs.get("k_scale", 1.0)
     return fn(q, cache, indices, None, bmm1_scale=SCALE * k_scale, bmm2_scale=k_scale,
               lse_base="e")[0]

@@ -1,6 +1,6 @@
 """The SM120/SM121 native kernel: FlashInfer's sparse_mla_sm120 DSv3.2 decode behind an XLA FFI call.
 
-The handler in `ffi/sm120_decode.cu` launches FlashInfer's split-K decode kernel over packed 656-byte
+The handler in `ffi/sm120/sm120_decode.cu` launches FlashInfer's split-K decode kernel over packed 656-byte
 fp8_ds_mla rows (512 e4m3 latent values, 4 fp32 tile scales, 64 bf16 RoPE values) and its merge kernel,
 on the XLA stream, as FlashInfer's dsv32 dispatch does. The split-K plan (chunks per CTA, number of
 splits) is FlashInfer's resolve_attention, computed once per static shape on the host
@@ -50,7 +50,7 @@ def check_problem(problem: registry.Problem, capability: tuple[int, int] | None 
 
 @functools.lru_cache(maxsize=512)
 def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> dict:
-    """FlashInfer's split-K plan for a static shape (ffi/sm120_plan.cc)."""
+    """FlashInfer's split-K plan for a static shape (ffi/sm120/sm120_plan.cc)."""
     return dict(native.module.sm120_plan(num_tokens, num_heads, num_keys, sm_count))
 
 

@@ -2,7 +2,7 @@
 
 FlashInfer's paged MLA kernel (`mla_hopper.cuh`, the "fa3" backend of `BatchMLAPagedAttentionWrapper`)
 computes exact sparse MLA when each query token is one request whose page table is its list of top-k
-slots, with page_size = 1. The handler in `ffi/sm90_decode.cuh` runs it on the XLA stream:
+slots, with page_size = 1. The handler in `ffi/sm90/sm90_decode.cuh` runs it on the XLA stream:
 
   * once per static shape (T, H, K, device), FlashInfer's host planner (MLAPlan) splits the work
     assuming every token keeps all K slots; the plan becomes a constant of the executable;
@@ -39,7 +39,7 @@ _KV_TILE = 64
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-    """FlashInfer's MLA plan for one static shape (layout: ffi/sm90_schedule.h).
+    """FlashInfer's MLA plan for one static shape (layout: ffi/sm90/sm90_schedule.h).
 
     schedule: int32 [n] work lists the kernel reads; the other fields are handler attributes.
     """

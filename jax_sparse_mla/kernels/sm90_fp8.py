@@ -1,7 +1,7 @@
 """The SM90 (H100 / H200) fp8 kernel: our own sparse MLA decode over fp8 caches.
 
 FlashInfer's Hopper MLA kernel runs an fp8 cache about 3x slower than a bf16 one. This kernel
-(`ffi/sm90_fp8_kernel.cuh`, up to 16 heads) reads either fp8 layout directly: per-tensor e4m3 rows of
+(`ffi/sm90/sm90_fp8_kernel.cuh`, up to 16 heads) reads either fp8 layout directly: per-tensor e4m3 rows of
 576 bytes and fp8_ds_mla rows of 656 bytes (512 e4m3, 4 fp32 tile scales, 64 bf16 RoPE). Producer
 warps gather each tile of 64 top-k rows with bulk copies (one per row, completing on an mbarrier);
 consumer warps feed the fp8 bytes to tensor-core MMAs with fp32 accumulation: for S = Q K^T, f16
@@ -12,7 +12,7 @@ The consumers split each tile by keys and dims so that every value is converted 
 per-tensor k_scale multiplies the scores and the output; fp8_ds_mla's tile scales multiply the
 128-dim partial dot products and, for P V, the probabilities.
 
-With more than 16 heads, a second kernel (`ffi/sm90_fp8_wide_kernel.cuh`) runs 64 heads per CTA on
+With more than 16 heads, a second kernel (`ffi/sm90/sm90_fp8_wide_kernel.cuh`) runs 64 heads per CTA on
 warpgroup MMAs (wgmma): a producer warpgroup converts each tile's rows once into shared memory (e4m3
 exactly to f16; fp8_ds_mla dequantised to bf16, value times tile scale rounded once, next to its
 bf16 RoPE dims), one consumer warpgroup computes S, the softmax and half of P V, the other the other
@@ -43,7 +43,7 @@ from .. import _validation as v
 
 TARGET = "jax_sparse_mla_sm90_fp8_decode"
 _LAYOUTS = {"fp8_e4m3": 0, "fp8_ds_mla": 1}
-# Must match ffi/sm90_fp8_kernel.cuh: slots a split may cover, slots per tile.
+# Must match ffi/sm90/sm90_fp8_kernel.cuh: slots a split may cover, slots per tile.
 MAX_KEYS_PER_SPLIT = 2048
 TILE_KEYS = 64
 

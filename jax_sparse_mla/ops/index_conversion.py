@@ -44,7 +44,7 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas")
 def _select_core(implementation: str):
     """Returns the conversion core (`_convert` or its Pallas twin) that `implementation` names.
 
-    Decided at trace time from the default device, like the attention kernels (kernels.py). "auto"
+    Decided at trace time from the default device, like the attention kernels (kernels/registry.py). "auto"
     is Pallas on a CUDA GPU: on the H200 it beat the XLA-fused version at every benchmarked shape
     and mode (benchmarks/bench_index_conversion.py, T = 1 to 8192, K = 2048: 0.28-0.76x its time).
     """

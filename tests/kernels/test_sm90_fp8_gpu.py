@@ -1,5 +1,5 @@
-"""GPU tests of the SM90 fp8 kernels (ours: ffi/sm90_fp8_kernel.cuh up to 16 heads,
-ffi/sm90_fp8_wide_kernel.cuh above) for per-tensor e4m3 and fp8_ds_mla caches.
+"""GPU tests of the SM90 fp8 kernels (ours: ffi/sm90/sm90_fp8_kernel.cuh up to 16 heads,
+ffi/sm90/sm90_fp8_wide_kernel.cuh above) for per-tensor e4m3 and fp8_ds_mla caches.
 
 Each case compares the native kernel with the pure-JAX kernel (implementation="xla") on the values
 the kernel multiplies (run_reference): the cache itself, which the pure-JAX op dequantises exactly in
