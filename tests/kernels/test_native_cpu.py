@@ -1,6 +1,6 @@
 """CPU tests of the native paths' host side: the shared argument validation of the SM100 (TRTLLM-gen) and
 SM120 kernels, dispatch by compute capability, the index compaction in front of TRTLLM-gen, and, when
-the extension is built, its registrations, SHA-256 and cubin lookup (ffi/cubin_loader.cc).
+the extension is built, its registrations, SHA-256 and cubin lookup (ffi/common/cubin_loader.cc).
 
 The extension tests skip when it is not importable; JAX_SPARSE_MLA_REQUIRE_NATIVE=1 (set by
 .ci/build_native.sh) turns that skip into a failure.
