@@ -2,10 +2,12 @@
 #   make demo   creates .venv, installs the package with its flax and test extras (building the
 #               native extension when nvcc is found), prints what was installed, runs the example
 #   make test   the test suite against the installed package (installing it first if needed)
-# PYTHON picks the interpreter (3.11 or newer); JAX_SPARSE_MLA_CUDA=ON|OFF forces or skips the
-# native build (default AUTO: when nvcc is found).
+# PYTHON picks the interpreter (3.11 or newer); EXTRAS the package's extras (add sm100 for the
+# B200/B300 kernels' cubins); JAX_SPARSE_MLA_CUDA=ON|OFF forces or skips the native build (default
+# AUTO: when nvcc is found).
 PYTHON ?= python3
 VENV ?= .venv
+EXTRAS ?= flax,test
 PIP_FLAGS ?= --quiet --disable-pip-version-check
 
 # Reinstall whenever the package, its native sources or its build files change.
@@ -27,7 +29,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: $(SOURCES)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install $(PIP_FLAGS) ".[flax,test]"
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) ".[$(EXTRAS)]"
 	touch $@
 
 clean:

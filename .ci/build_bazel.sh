@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds the native extension with Bazel (BUILD.bazel), offline, from local inputs: the XLA FFI
-# headers of the jaxlib in .venv (`make demo` made it), nanobind (installed into .venv here), the
-# pinned FlashInfer headers (ffi/flashinfer_headers.py, without torch) and this machine's CUDA
-# toolkit. Installs Debian's Bazel (bazel-bootstrap, 4.2.3) when there is no bazel. The module lands
-# in build/bazel-bin/_jax_sparse_mla_native.so, the Bazel state in build/bazel (both git-ignored).
+# Builds the native extension with Bazel (BUILD.bazel) from local inputs: the XLA FFI headers of the
+# jaxlib in .venv (`make demo` made it), nanobind (installed into .venv here), the pinned FlashInfer
+# headers and the SM100 kernel table (the scripts under ffi/, which take them from pip's cache or
+# fetch them, without torch) and this machine's CUDA toolkit. Installs Debian's Bazel
+# (bazel-bootstrap, 4.2.3) when there is no bazel. The module lands in
+# build/bazel-bin/_jax_sparse_mla_native.so, the Bazel state in build/bazel (both git-ignored).
 # Then JAX_SPARSE_MLA_BAZEL_EXT=build/bazel-bin/_jax_sparse_mla_native.so pytest
 # tests/test_bazel_build.py checks it against the installed CMake-built module.
 set -euo pipefail
@@ -20,7 +21,6 @@ fi
 # The interpreter whose site-packages hold jax and nanobind (bazel/local_deps.bzl).
 export PYTHON_BIN_PATH="${PYTHON_BIN_PATH:-$PWD/.venv/bin/python}"
 "$PYTHON_BIN_PATH" -m pip install --quiet "nanobind==3.1.0"
-export FLASHINFER_DATA_DIR="${FLASHINFER_DATA_DIR:-$("$PYTHON_BIN_PATH" ffi/flashinfer_headers.py build/flashinfer)}"
 output_base="${JAX_SPARSE_MLA_BAZEL_OUTPUT_BASE:-$PWD/build/bazel}"
 # Each SM90 kernel file takes ~30 s and a few GB in nvcc; as many at once as the pip build allows.
 jobs="${JAX_SPARSE_MLA_NVCC_JOBS:-2}"

@@ -1,14 +1,17 @@
 """Repository rules that take the native build's external inputs from this machine.
 
-Nothing is downloaded: each rule locates an installed package the way ffi/CMakeLists.txt does (with
-the same overrides), symlinks the directory into an external repository and writes its BUILD file
-from a template in bazel/third_party/.
+Each rule locates its input the way ffi/CMakeLists.txt does (with the same overrides), symlinks the
+directory into an external repository and writes its BUILD file from a template in
+bazel/third_party/. Bazel downloads nothing itself; FlashInfer's headers and the SM100 kernel table
+come from the same scripts under ffi/ that CMake runs (installed packages, else pip, without torch).
 
   @local_config_python  Python headers of the interpreter (sysconfig's include dir)
   @nanobind             nanobind's sources and headers from its pip package (python -m nanobind)
   @xla_ffi              XLA FFI headers of the installed jaxlib (jax.ffi.include_dir())
-  @flashinfer           flashinfer-python's data/ folder: FlashInfer, CUTLASS and CCCL headers, FlashInfer
-                        sources, and the TRTLLM-gen kernel table when a cubin folder has it
+  @flashinfer           the pinned flashinfer-python's data/ folder (ffi/flashinfer_headers.py):
+                        FlashInfer, CUTLASS and CCCL headers and FlashInfer sources
+  @flashinfer_sm100     the SM100 family's FlashInfer release and its TRTLLM-gen kernel table
+                        (ffi/sm100/trtllm_gen_table.py)
   @local_config_cuda    the CUDA toolkit: nvcc, headers, libcudart_static
 
 The interpreter is $PYTHON_BIN_PATH (as in jaxlib's build), else python3, else python on PATH.
@@ -102,49 +105,20 @@ local_xla_ffi_repository = repository_rule(
     local = True,
 )
 
-# FlashInfer's TRTLLM-gen kernel table (flashInferMetaInfo.h) ships with the cubins, not with the
-# wheel: found as ffi/CMakeLists.txt finds it (JAX_SPARSE_MLA_TRTLLM_GEN_METAINFO, else
-# <cubin folder>/<TRTLLM_GEN_FMHA artifact>/include/ in $FLASHINFER_CUBIN_DIR, the flashinfer-cubin
-# package, ${FLASHINFER_WORKSPACE_BASE:-$HOME}/.cache/flashinfer/cubins). Prints the artifact
-# path, the header (or an empty line) and its sha256 (or an empty line).
-_TRTLLM_GEN_LOCATE = """
-import hashlib, importlib.util, os, pathlib, re, sys
-data = pathlib.Path(sys.argv[1])
-text = (data.parent / "artifacts.py").read_text()
-artifact = re.search(r'TRTLLM_GEN_FMHA: str = "([^"]+)"', text).group(1)
-metainfo = os.environ.get("JAX_SPARSE_MLA_TRTLLM_GEN_METAINFO", "")
-if not metainfo:
-    dirs = []
-    if "FLASHINFER_CUBIN_DIR" in os.environ:
-        dirs.append(os.environ["FLASHINFER_CUBIN_DIR"])
-    spec = importlib.util.find_spec("flashinfer_cubin")
-    if spec:
-        dirs.append(str(pathlib.Path(next(iter(spec.submodule_search_locations))) / "cubins"))
-    if "FLASHINFER_WORKSPACE_BASE" in os.environ:
-        dirs.append(os.environ["FLASHINFER_WORKSPACE_BASE"] + "/.cache/flashinfer/cubins")
-    elif "HOME" in os.environ:
-        dirs.append(os.environ["HOME"] + "/.cache/flashinfer/cubins")
-    for d in dirs:
-        candidate = pathlib.Path(d) / artifact / "include" / "flashInferMetaInfo.h"
-        if candidate.exists():
-            metainfo = str(candidate)
-            break
-digest = hashlib.sha256(pathlib.Path(metainfo).read_bytes()).hexdigest() if metainfo else ""
-print(artifact)
-print(metainfo)
-print(digest)
-"""
+def _script_lines(rctx, script, args, what):
+    """Runs one of ffi/'s Python scripts (the ones CMake runs) and returns its output lines."""
+    result = rctx.execute([_python(rctx), str(rctx.path(script))] + args, quiet = True)
+    if result.return_code != 0:
+        fail("@%s: %s failed:\n%s" % (rctx.name, what, result.stderr))
+    return [line.strip() for line in result.stdout.strip().split("\n")]
 
 def _local_flashinfer_impl(rctx):
+    # FLASHINFER_DATA_DIR, else ffi/flashinfer_headers.py: the pinned flashinfer-python's data/
+    # folder, installed or fetched without torch into this repository, as the CMake build does.
     data = rctx.os.environ.get("FLASHINFER_DATA_DIR", "")
     if not data:
-        # find_spec locates the package without importing it (importing flashinfer pulls in torch).
-        data = _python_output(
-            rctx,
-            "import importlib.util, pathlib; s = importlib.util.find_spec('flashinfer'); " +
-            "print(pathlib.Path(next(iter(s.submodule_search_locations))) / 'data')",
-            "flashinfer-python (pip install flashinfer-python)",
-        )
+        data = _script_lines(rctx, rctx.attr._headers_script, [str(rctx.path("fetched"))],
+                             "ffi/flashinfer_headers.py")[-1]
     _require(
         rctx,
         data + "/include/flashinfer/attention/mla_hopper.cuh",
@@ -152,29 +126,7 @@ def _local_flashinfer_impl(rctx):
         "set FLASHINFER_DATA_DIR to flashinfer-python's data/ folder",
     )
     rctx.symlink(data, "data")
-    python = _python(rctx)
-    result = rctx.execute([python, "-c", _TRTLLM_GEN_LOCATE, data])
-    if result.return_code != 0:
-        fail("@%s: cannot read TRTLLM_GEN_FMHA from flashinfer/artifacts.py:\n%s" % (
-            rctx.name,
-            result.stderr,
-        ))
-    lines = (result.stdout + "\n\n").split("\n")
-    trtllm_gen = {"artifact": lines[0].strip(), "metainfo": lines[1].strip(), "hash": lines[2].strip()}
-    if trtllm_gen["metainfo"]:
-        rctx.symlink(rctx.path(trtllm_gen["metainfo"]).dirname, "trtllm_gen_metainfo")
-    else:
-        # ffi/CMakeLists.txt then compiles the SM100 handler against ffi/trtllm_gen_stub (no kernel).
-        rctx.file("trtllm_gen_metainfo/.none", "", executable = False)
-    rctx.file("trtllm_gen.bzl", "\n".join([
-        '"""The TRTLLM-gen artifact of FlashInfer (written by bazel/local_deps.bzl)."""',
-        "",
-        'TRTLLM_GEN_FMHA_CUBIN_PATH = "%s"' % trtllm_gen["artifact"],
-        'TRTLLM_GEN_FMHA_METAINFO_HASH = "%s"' % trtllm_gen["hash"],
-        "TRTLLM_GEN_METAINFO_FOUND = %s" % bool(trtllm_gen["metainfo"]),
-        'TRTLLM_GEN_METAINFO = "%s"' % trtllm_gen["metainfo"],
-        "",
-    ]), executable = False)
+    rctx.file("trtllm_gen_metainfo/.none", "", executable = False)
     rctx.template("headers.bzl", rctx.attr._headers_bzl, {}, executable = False)
     _write_build(rctx)
 
@@ -183,9 +135,58 @@ local_flashinfer_repository = repository_rule(
     attrs = {
         "build_file": attr.label(default = Label("//bazel/third_party:flashinfer.BUILD")),
         "_headers_bzl": attr.label(default = Label("//bazel:headers.bzl")),
+        "_headers_script": attr.label(default = Label("//:ffi/flashinfer_headers.py")),
+    },
+    environ = _PYTHON_ENV + ["FLASHINFER_DATA_DIR"],
+    local = True,
+)
+
+# The SM100 family's FlashInfer release and its TRTLLM-gen kernel table, as ffi/CMakeLists.txt
+# finds them: ffi/sm100/trtllm_gen_table.py (JAX_SPARSE_MLA_TRTLLM_GEN_METAINFO, FLASHINFER_CUBIN_DIR,
+# the installed flashinfer-cubin, FlashInfer's cache, else the pinned wheel fetched with pip; the
+# table verified against the release's checksums). Without a table the family is left out
+# (trtllm_gen.bzl: TRTLLM_GEN_FOUND = False), as CMake does under AUTO.
+def _local_flashinfer_sm100_impl(rctx):
+    args = [str(rctx.path("fetched"))]
+    metainfo = rctx.os.environ.get("JAX_SPARSE_MLA_TRTLLM_GEN_METAINFO", "")
+    if metainfo:
+        args += ["--metainfo", metainfo]
+    result = rctx.execute([_python(rctx), str(rctx.path(rctx.attr._table_script))] + args,
+                          quiet = True)
+    found = result.return_code == 0
+    if found:
+        data, artifact, header, digest, version = [
+            line.strip()
+            for line in result.stdout.strip().split("\n")
+        ]
+        rctx.symlink(data, "data")
+        rctx.symlink(rctx.path(header).dirname, "trtllm_gen_metainfo")
+    else:
+        # buildifier: disable=print
+        print("@%s: building without the sm100 family: %s" % (rctx.name, result.stderr))
+        artifact, digest, version = "", "", ""
+        rctx.file("data/.none", "", executable = False)
+        rctx.file("trtllm_gen_metainfo/.none", "", executable = False)
+    rctx.file("trtllm_gen.bzl", "\n".join([
+        '"""The SM100 family's FlashInfer release (written by bazel/local_deps.bzl)."""',
+        "",
+        "TRTLLM_GEN_FOUND = %s" % found,
+        'TRTLLM_GEN_FMHA_CUBIN_PATH = "%s"' % artifact,
+        'TRTLLM_GEN_FMHA_METAINFO_HASH = "%s"' % digest,
+        'TRTLLM_GEN_FLASHINFER_VERSION = "%s"' % version,
+        "",
+    ]), executable = False)
+    rctx.template("headers.bzl", rctx.attr._headers_bzl, {}, executable = False)
+    _write_build(rctx)
+
+local_flashinfer_sm100_repository = repository_rule(
+    implementation = _local_flashinfer_sm100_impl,
+    attrs = {
+        "build_file": attr.label(default = Label("//bazel/third_party:flashinfer.BUILD")),
+        "_headers_bzl": attr.label(default = Label("//bazel:headers.bzl")),
+        "_table_script": attr.label(default = Label("//:ffi/sm100/trtllm_gen_table.py")),
     },
     environ = _PYTHON_ENV + [
-        "FLASHINFER_DATA_DIR",
         "JAX_SPARSE_MLA_TRTLLM_GEN_METAINFO",
         "FLASHINFER_CUBIN_DIR",
         "FLASHINFER_WORKSPACE_BASE",
@@ -248,4 +249,5 @@ def jax_sparse_mla_local_deps():
     local_nanobind_repository(name = "nanobind")
     local_xla_ffi_repository(name = "xla_ffi")
     local_flashinfer_repository(name = "flashinfer")
+    local_flashinfer_sm100_repository(name = "flashinfer_sm100")
     local_cuda_repository(name = "local_config_cuda")

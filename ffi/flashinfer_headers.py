@@ -44,42 +44,53 @@ _MEMBERS = (
 )
 
 
-def installed_data_dir(version: str) -> pathlib.Path | None:
-    """data/ of an installed flashinfer-python of exactly `version`, else None."""
+class FetchError(Exception):
+    pass
+
+
+def installed_package_dir(distribution: str, module: str, version: str) -> pathlib.Path | None:
+    """The folder of `module` when `distribution` of exactly `version` is installed, else None.
+    Found without importing it (importing flashinfer imports torch)."""
     try:
-        if importlib.metadata.version("flashinfer-python") != version:
+        if importlib.metadata.version(distribution) != version:
             return None
     except importlib.metadata.PackageNotFoundError:
         return None
-    spec = importlib.util.find_spec("flashinfer")
+    spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
         return None
-    data = pathlib.Path(next(iter(spec.submodule_search_locations))) / "data"
-    return data if (data / "include").is_dir() else None
+    return pathlib.Path(next(iter(spec.submodule_search_locations)))
+
+
+def unpack_wheel(requirement: str, dest: pathlib.Path, prefixes: tuple[str, ...]) -> None:
+    """`pip download --no-deps requirement` and unpacks the members under `prefixes` into dest."""
+    with tempfile.TemporaryDirectory() as download:
+        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                   "--disable-pip-version-check", "--quiet", "--dest", download, requirement]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise FetchError(f"`{' '.join(command)}` failed:\n{result.stderr}")
+        wheels = list(pathlib.Path(download).glob("*.whl"))
+        if len(wheels) != 1:
+            raise FetchError(f"expected one wheel for {requirement}, got {wheels}")
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            members = [name for name in wheel.namelist() if name.startswith(prefixes)]
+            missing = [prefix for prefix in prefixes if not any(m.startswith(prefix) for m in members)]
+            if missing:
+                raise FetchError(f"{wheels[0].name} lacks {missing}")
+            wheel.extractall(dest, members)
 
 
 def fetch(dest: pathlib.Path, version: str = FLASHINFER_VERSION) -> pathlib.Path:
     """The data/ folder of flashinfer-python `version`: installed, or unpacked into dest."""
-    installed = installed_data_dir(version)
-    if installed is not None:
-        return installed
+    installed = installed_package_dir("flashinfer-python", "flashinfer", version)
+    if installed is not None and (installed / "data" / "include").is_dir():
+        return installed / "data"
     data = dest / "flashinfer" / "data"
     stamp = dest / "VERSION"
     if stamp.is_file() and stamp.read_text().strip() == version and data.is_dir():
         return data
-    with tempfile.TemporaryDirectory() as download:
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                   "--disable-pip-version-check", "--quiet", "--dest", download,
-                   f"flashinfer-python=={version}"]
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise SystemExit(f"flashinfer_headers: `{' '.join(command)}` failed:\n{result.stderr}")
-        wheels = list(pathlib.Path(download).glob("flashinfer_python-*.whl"))
-        if len(wheels) != 1:
-            raise SystemExit(f"flashinfer_headers: expected one flashinfer-python wheel, got {wheels}")
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            members = [name for name in wheel.namelist() if name.startswith(_MEMBERS)]
-            wheel.extractall(dest, members)
+    unpack_wheel(f"flashinfer-python=={version}", dest, _MEMBERS)
     stamp.write_text(version + "\n")
     return data
 
@@ -89,7 +100,10 @@ def main() -> None:
     parser.add_argument("dest", type=pathlib.Path)
     parser.add_argument("--version", default=FLASHINFER_VERSION)
     args = parser.parse_args()
-    print(fetch(args.dest.resolve(), args.version))
+    try:
+        print(fetch(args.dest.resolve(), args.version))
+    except FetchError as error:
+        raise SystemExit(f"flashinfer_headers: {error}") from None
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ nb::dict BuildInfo() {
   info["trtllm_gen_num_kernels"] = trtllm.num_kernels;
   info["trtllm_gen_cubin_path"] = trtllm.cubin_path;
   info["trtllm_gen_metainfo_hash"] = trtllm.metainfo_hash;
+  info["trtllm_gen_flashinfer_version"] = trtllm.flashinfer_version;
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM120
   info["sm120"] = JAX_SPARSE_MLA_SM120_GENCODE;
@@ -102,6 +103,55 @@ nb::dict Sm120Plan(int64_t num_tokens, int64_t num_heads, int64_t top_k, int64_t
   result["scratch_heads"] = plan.scratch_heads;
   return result;
 }
+
+#ifdef JAX_SPARSE_MLA_HAS_SM100
+nb::dict TrtllmGenSelectKernel(const std::string& q_dtype, const std::string& kv_dtype,
+                               int64_t page_size, int64_t num_heads, int64_t q_len,
+                               int64_t top_k, int64_t batch, int sm, int sm_count,
+                               int64_t num_pages, bool read_cubins) {
+  jax_sparse_mla::TrtllmGenQuery query;
+  query.q_dtype = q_dtype;
+  query.kv_dtype = kv_dtype;
+  query.page_size = page_size;
+  query.num_heads = num_heads;
+  query.q_len = q_len;
+  query.top_k = top_k;
+  query.batch = batch;
+  query.sm = sm;
+  query.sm_count = sm_count;
+  query.num_pages = num_pages;
+  query.read_cubins = read_cubins;
+  jax_sparse_mla::TrtllmGenSelection selection;
+  {
+    nb::gil_scoped_release release;
+    selection = jax_sparse_mla::SelectTrtllmGenKernel(query);
+  }
+  auto triple = [](const int64_t* v) { return nb::make_tuple(v[0], v[1], v[2]); };
+  nb::dict result;
+  result["error"] = selection.error;
+  result["info"] = selection.info;
+  result["candidate_kernels"] = selection.candidate_kernels;
+  result["function_name"] = selection.function_name;
+  result["cubin_path"] = selection.cubin_path;
+  result["cubin_sha256"] = selection.cubin_sha256;
+  result["cubin_bytes"] = selection.cubin_bytes;
+  result["requested_cubins"] = selection.requested_cubins;
+  result["launched"] = selection.launched;
+  result["modules_loaded"] = selection.modules_loaded;
+  result["tensor_maps"] = selection.tensor_maps;
+  result["grid"] = triple(selection.grid);
+  result["block"] = triple(selection.block);
+  result["cluster"] = triple(selection.cluster);
+  result["shared_mem_bytes"] = selection.shared_mem_bytes;
+  result["table_index"] = selection.table_index;
+  result["table_sha256"] = selection.table_sha256;
+  result["table_sm"] = selection.table_sm;
+  result["table_shared_mem_bytes"] = selection.table_shared_mem_bytes;
+  result["table_threads"] = selection.table_threads;
+  result["multi_ctas_kv_mode"] = selection.multi_ctas_kv_mode;
+  return result;
+}
+#endif
 
 #ifdef JAX_SPARSE_MLA_HAS_SM90
 nb::dict Sm90Schedule(int64_t num_tokens, int64_t num_heads, int64_t padded_keys,
@@ -143,13 +193,27 @@ NB_MODULE(_jax_sparse_mla_native, m) {
         "num_works, cluster_size, num_clusters, num_sms, partial_o_offset, partial_lse_offset, "
         "float_workspace_bytes.");
 #endif
+#ifdef JAX_SPARSE_MLA_HAS_SM100
+  m.def("trtllm_gen_select_kernel", &TrtllmGenSelectKernel, nb::arg("q_dtype"),
+        nb::arg("kv_dtype"), nb::arg("page_size"), nb::arg("num_heads"), nb::arg("q_len"),
+        nb::arg("top_k"), nb::arg("batch") = 1, nb::arg("sm") = 100, nb::arg("sm_count") = 148,
+        nb::arg("num_pages") = 1024, nb::arg("read_cubins") = true,
+        "Runs the TRTLLM-gen handler's set-up and FlashInfer's kernel selection, cubin load "
+        "(through the cubin loader, sha256-checked) and launch set-up for one configuration on "
+        "the host, without a GPU, up to cuLaunchKernelEx. Returns a dict: error ('' when the "
+        "launch was reached; else the handler's message, e.g. 'Missing TRTLLM-GEN kernel "
+        "(decode): ...'), info, function_name, cubin_path, cubin_sha256, cubin_bytes, launched, "
+        "grid, block, cluster, shared_mem_bytes and the table entry (table_index, table_sha256, "
+        "table_sm, table_shared_mem_bytes, table_threads, multi_ctas_kv_mode).");
+#endif
   m.def("command_buffer_targets", &CommandBufferTargets,
         "Names of the targets whose handlers are safe to record in CUDA graphs (XLA command "
         "buffers); register them with the COMMAND_BUFFER_COMPATIBLE trait.");
   m.def("build_info", &BuildInfo,
         "Handler families in this build ('sm90', 'sm100', 'sm120': comma-separated machine-code "
         "targets) and, with sm100, the TRTLLM-gen kernel table compiled in "
-        "(trtllm_gen_num_kernels: 0 when FlashInfer's flashInferMetaInfo.h was not found).");
+        "(trtllm_gen_num_kernels, trtllm_gen_metainfo_hash, trtllm_gen_cubin_path, "
+        "trtllm_gen_flashinfer_version).");
   m.def("sha256_hex", &Sha256Hex, nb::arg("data"),
         "SHA-256 of bytes as lower-case hex (the digest the cubin loader checks).");
   m.def("resolve_cubin", &ResolveCubin, nb::arg("path"), nb::arg("sha256"),

@@ -63,9 +63,14 @@ def _extension_lines() -> list[str]:
             codes = ", ".join(f"sm_{code}" for code in info[family].split(","))
             lines.append(f"  {family:6s} {name}: machine code {codes}")
     if "sm100" in info:
-        count = info.get("trtllm_gen_num_kernels", 0)
-        digest = info.get("trtllm_gen_metainfo_hash") or "none"
-        lines.append(f"  TRTLLM-gen kernel table {digest} ({count} kernels)")
+        lines.append(f"  TRTLLM-gen kernel table {info['trtllm_gen_metainfo_hash']} "
+                     f"({info['trtllm_gen_num_kernels']} kernels), FlashInfer "
+                     f"{info['trtllm_gen_flashinfer_version']} launcher")
+        cubins = native.flashinfer_cubin_package_dir()
+        lines.append(f"  TRTLLM-gen cubins: {cubins}" if cubins else
+                     f"  TRTLLM-gen cubins: flashinfer-cubin=={info['trtllm_gen_flashinfer_version']} "
+                     "is not installed (FLASHINFER_CUBIN_DIR or FlashInfer's cache are searched at "
+                     "run time; pip install \"jax-sparse-mla[sm100]\" installs it)")
     return lines
 
 

@@ -35,32 +35,36 @@ targets: frozenset[str] = frozenset(module.registrations()) if module is not Non
 
 
 def flashinfer_cubin_package_dir() -> str:
-    """The flashinfer-cubin package's cubins/ folder when its version equals flashinfer-python's.
+    """The flashinfer-cubin package's cubins/ folder when its version is the one the SM100 family needs.
 
-    FlashInfer's rule (flashinfer/jit/env.py): a package of another version is ignored unless
-    FLASHINFER_DISABLE_VERSION_CHECK is set. Found without importing either package (flashinfer imports
-    torch).
+    The TRTLLM-gen handler is compiled against the kernel table of one flashinfer-cubin release
+    (build_info()["trtllm_gen_flashinfer_version"], ffi/sm100/trtllm_gen_table.py); a package of another
+    version holds another artifact and is ignored unless FLASHINFER_DISABLE_VERSION_CHECK is set
+    (FlashInfer's rule, flashinfer/jit/env.py). The loader checks each cubin's sha256 against the table
+    either way. Found without importing the package.
     """
+    if module is None:
+        return ""
+    wanted = dict(module.build_info()).get("trtllm_gen_flashinfer_version", "")
     spec = importlib.util.find_spec("flashinfer_cubin")
-    if spec is None or not spec.submodule_search_locations:
+    if not wanted or spec is None or not spec.submodule_search_locations:
         return ""
     try:
         cubin_version = importlib.metadata.version("flashinfer-cubin")
-        flashinfer_version = importlib.metadata.version("flashinfer-python")
     except importlib.metadata.PackageNotFoundError:
         return ""
-    if cubin_version != flashinfer_version and not os.environ.get("FLASHINFER_DISABLE_VERSION_CHECK"):
+    if cubin_version != wanted and not os.environ.get("FLASHINFER_DISABLE_VERSION_CHECK"):
         return ""
     return str(pathlib.Path(next(iter(spec.submodule_search_locations))) / "cubins")
 
 
-if module is not None and hasattr(module, "set_cubin_package_dir"):
+if module is not None:
     module.set_cubin_package_dir(flashinfer_cubin_package_dir())
 
 
 def build_info() -> dict:
     """What the extension was built with (module.build_info(); {} without the extension)."""
-    if module is None or not hasattr(module, "build_info"):
+    if module is None:
         return {}
     return dict(module.build_info())
 

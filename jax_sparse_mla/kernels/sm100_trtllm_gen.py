@@ -4,8 +4,14 @@ This is the kernel the seed (vLLM's FlashInferMLASparseImpl) calls through
 `trtllm_batch_decode_with_kv_cache_mla(..., sparse_mla_top_k=K)`. The handler in
 `ffi/trtllm_gen_decode.cu` fills FlashInfer's TllmGenFmhaRunnerParams as FlashInfer's launcher does and
 runs its runner on the XLA stream; the kernels are FlashInfer's cubins, read from disk by a C++ callback
-(`ffi/cubin_loader.cc`: $FLASHINFER_CUBIN_DIR, the flashinfer-cubin package, ~/.cache/flashinfer/cubins;
-sha256-checked, never downloaded).
+(`ffi/common/cubin_loader.cc`: $FLASHINFER_CUBIN_DIR, the flashinfer-cubin package, ~/.cache/flashinfer/
+cubins; sha256-checked against the kernel table, never downloaded).
+
+The handler is compiled against flashinfer-python 0.6.13's launcher headers and the kernel table of
+flashinfer-cubin 0.6.13, the newest release of that package (ffi/sm100/trtllm_gen_table.py); the cubins
+must come from flashinfer-cubin of that version (build_info()["trtllm_gen_flashinfer_version"]).
+`_jax_sparse_mla_native.trtllm_gen_select_kernel` runs the handler's set-up and FlashInfer's kernel
+selection on the host up to the launch, without a GPU (tests/kernels/test_sm100_kernel_table.py).
 
 Per call, as vLLM does it: one "request" per token (q_len = 1), block_tables = the token's physical slots,
 seq_lens = its number of valid slots, max_seq_len = sparse_mla_top_k = K. The kernel reads the first
@@ -14,7 +20,8 @@ slots are first compacted to the front (stable, in XLA), with -1 after them as v
 with no valid slot gets seq_lens = 0 (vLLM does the same) and its output is then forced to out = 0,
 lse = -inf, as vLLM's impl does. The kernel's LSE is base 2; it is converted here.
 
-Not run on SM100 hardware here: compiled for sm_100a/sm_103a and checked on CPU only.
+Not run on SM100 hardware here: compiled for sm_100a/sm_103a; kernel selection, cubin lookup and launch
+set-up checked on CPU only.
 """
 
 from __future__ import annotations
@@ -43,14 +50,31 @@ QUERY_DTYPE_FOR_LAYOUT = {
     "float16": "float16",
     "fp8_e4m3": "float8_e4m3fn",
 }
+# Cache dtypes FlashInfer 0.6.13's TRTLLM-gen kernel table has sparse MLA kernels for (it has none
+# for float16: the launcher answers "Missing TRTLLM-GEN kernel (decode)" for every f16 shape).
+TABLE_KV_LAYOUTS = ("bfloat16", "fp8_e4m3")
+
+
+def heads_in_table(num_heads: int) -> bool:
+    """Whether FlashInfer's sparse MLA kernel selection finds a kernel for H heads (one KV head).
+
+    fmhaKernels.cuh (0.6.13) picks SwapsMmaAb kernels with tileSizeQ = H or H/2 for H <= 32 (the table
+    has tiles 8, 16, 32; other H fail its power-of-2 check) and KeepsMmaAb kernels with 64-head tiles
+    above (H <= 64 fits one tile; more heads need a multiple of 64). Proven against the table by
+    tests/kernels/test_sm100_kernel_table.py for H = 1..520.
+    """
+    if num_heads <= 32:
+        return num_heads in (8, 16, 32)
+    return num_heads <= 64 or num_heads % 64 == 0
 
 
 def check_problem(problem: registry.Problem, capability: tuple[int, int] | None = None) -> str | None:
     """None when the TRTLLM-gen sparse kernel takes this problem, else why not.
 
     FlashInfer's rules (mla/_core.py, kernelParams.h): page size 32 or 64; not 64 < H < 128; K a positive
-    multiple of 4 (16-byte index loads); q of the cache's dtype. With a capability, also that the
-    extension holds machine code for it and a TRTLLM-gen kernel table.
+    multiple of 4 (16-byte index loads); q of the cache's dtype; and what its kernel table holds: bf16
+    or fp8 e4m3, H as in heads_in_table. With a capability, also that the extension holds machine code
+    for it and a TRTLLM-gen kernel table.
     """
     want_q = QUERY_DTYPE_FOR_LAYOUT.get(problem.kv_layout)
     if want_q is None:
@@ -66,14 +90,19 @@ def check_problem(problem: registry.Problem, capability: tuple[int, int] | None 
         return f"num_heads must be positive, got {problem.num_heads}"
     if problem.num_keys <= 0 or problem.num_keys % 4:
         return f"the top-k width K must be a positive multiple of 4, got K={problem.num_keys}"
+    if problem.kv_layout not in TABLE_KV_LAYOUTS:
+        return (f"Missing TRTLLM-GEN kernel (decode): FlashInfer's TRTLLM-gen kernel table has no "
+                f"sparse MLA kernel for a {problem.kv_layout} query and cache (only bfloat16, fp8_e4m3)")
+    if not heads_in_table(problem.num_heads):
+        return (f"FlashInfer's TRTLLM-gen sparse MLA kernels take 8, 16, 32, 33..64 or a multiple of "
+                f"64 heads, got num_heads={problem.num_heads}")
     if capability is not None:
         if not native.built_for("sm100", capability):
             return (f"the extension has no sm_{capability[0]}{capability[1]}a code "
                     f"(built for {native.build_info().get('sm100', 'none')})")
         if not native.build_info().get("trtllm_gen_num_kernels"):
             return ("the extension was built without FlashInfer's TRTLLM-gen kernel table "
-                    "(flashInferMetaInfo.h, shipped with the cubins, not with flashinfer-python); "
-                    "rebuild with it in a cubin folder or JAX_SPARSE_MLA_TRTLLM_GEN_METAINFO set")
+                    "(flashInferMetaInfo.h of flashinfer-cubin; ffi/sm100/trtllm_gen_table.py)")
     return None
 
 
