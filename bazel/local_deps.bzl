@@ -168,7 +168,7 @@ def _local_flashinfer_sm100_impl(rctx):
         rctx.file("data/.none", "", executable = False)
         rctx.file("trtllm_gen_metainfo/.none", "", executable = False)
     rctx.file("trtllm_gen.bzl", "\n".join([
-        '"""The SM100 family's FlashInfer release (written by bazel/local_deps.bzl)."""',
+        '"""The SM100 family of FlashInfer: its release and kernel table (bazel/local_deps.bzl)."""',
         "",
         "TRTLLM_GEN_FOUND = %s" % found,
         'TRTLLM_GEN_FMHA_CUBIN_PATH = "%s"' % artifact,

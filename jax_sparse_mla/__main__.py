@@ -54,8 +54,8 @@ def _extension_lines() -> list[str]:
         return [f"native extension: not built, pure JAX only ({reason})"]
     info = native.build_info()
     lines = ["native extension: built"
-             + (f" against jaxlib {config['jaxlib']}, FlashInfer {config['flashinfer']} headers, "
-                f"CUDA {config['cuda']}" if config.get("native") else "")]
+             + (f" against jaxlib {config['jaxlib']} and CUDA {config['cuda']}; FlashInfer "
+                f"{config['flashinfer']} headers (sm90, sm120)" if config.get("native") else "")]
     families = {"sm90": "SM90 (H100/H200)", "sm100": "SM100/SM103 TRTLLM-gen (B200/B300)",
                 "sm120": "SM120/SM121 (RTX Pro 6000, DGX Spark)"}
     for family, name in families.items():
