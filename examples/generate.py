@@ -2,13 +2,16 @@
 
     python examples/generate.py                                   # tiny preset, CPU, well under a minute
     python examples/generate.py --preset deepseek-v3.2 --batch 32 --context 8192   # DeepSeek-V3.2 layers
+    python examples/generate.py --kv-cache-dtype fp8_ds_mla       # vLLM's production MLA cache layout
 
 Random weights from a seed and a toy vocabulary: the tokens mean nothing, the path is the real one.
 The tiny preset prefills a batch of prompts of different lengths and then decodes with a jitted step
 (static shapes, KV caches donated). The large presets fill the cache with random latent rows for
 --context positions instead of a prefill (a real 8k-token prefill of that batch is out of scope here)
-and then decode. Before generating, the example checks one attention layer against dense MLA attention
-restricted to the indexer's selection, and exits non-zero if they differ.
+and then decode. The indexer is DeepSeek-V3.2's as vLLM runs it (fp8 keys in a uint8 index cache, the
+prefill through the gathered-key logits, decode through the paged logits). Before generating, the example
+checks one attention layer against dense MLA attention restricted to the indexer's selection, and exits
+non-zero if they differ.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from tqdm import tqdm
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.flax import PRESETS, LayerCache, MLAConfig, MLASparseAttention, empty_layer_cache
+from jax_sparse_mla.ops.kv_cache import dequantize_ds_mla_rows
 
 BLOCK_SIZE = 64
 
@@ -117,7 +121,10 @@ def dense_reference(attn: MLASparseAttention, x, positions, cache: LayerCache, r
     selected = topk[:n]
     valid = selected >= 0
     slots = layout.slots(req_ids[:n, None], jnp.maximum(selected, 0))
-    keys = rows[slots].astype(jnp.float32)
+    if cache.kv_cache.dtype == jnp.uint8:  # fp8_ds_mla: fp8 tiles with fp32 scales, bf16 RoPE
+        keys = dequantize_ds_mla_rows(rows[slots])
+    else:
+        keys = rows[slots].astype(jnp.float32)
     if cache.kv_cache.dtype == jnp.float8_e4m3fn:
         keys = keys * attn.scales._k_scale_float
     kv_c, k_pe = keys[..., : c.kv_lora_rank], keys[..., c.kv_lora_rank:]
@@ -143,8 +150,9 @@ def check_first_layer(model: Decoder, tokens, positions, req_ids, caches, metada
     return error, counts_ok
 
 
-def fill_context(caches, layout: PagedLayout, config: MLAConfig, context: int, seed: int):
-    """Writes random latent rows and index keys for positions [0, context) of every request."""
+def fill_context(caches, layout: PagedLayout, config: MLAConfig, context: int, seed: int,
+                 kv_cache_dtype: str):
+    """Writes random latent rows and indexer keys for positions [0, context) of every request."""
     req_ids = jnp.repeat(jnp.arange(layout.batch, dtype=jnp.int32), context)
     positions = jnp.tile(jnp.arange(context, dtype=jnp.int32), layout.batch)
     slots = layout.slots(req_ids, positions).astype(jnp.int32)
@@ -154,10 +162,9 @@ def fill_context(caches, layout: PagedLayout, config: MLAConfig, context: int, s
         n = slots.shape[0]
         kv_c = jax.random.normal(key_c, (n, config.kv_lora_rank), jnp.bfloat16)
         k_pe = jax.random.normal(key_pe, (n, config.qk_rope_head_dim), jnp.bfloat16)
-        kv_cache_dtype = "fp8" if cache.kv_cache.dtype == jnp.float8_e4m3fn else "auto"
         kv_cache = jsm.concat_and_cache_mla(kv_c, k_pe, cache.kv_cache, slots, kv_cache_dtype=kv_cache_dtype)
         index_keys = jax.random.normal(key_idx, (n, config.index_head_dim), jnp.bfloat16)
-        filled.append(LayerCache(kv_cache, jsm.kv_cache.scatter_rows(cache.index_cache, slots, index_keys)))
+        filled.append(LayerCache(kv_cache, jsm.indexer_k_quant_and_cache(index_keys, cache.index_cache, slots)))
     return tuple(filled)
 
 
@@ -170,7 +177,9 @@ def main(argv=None) -> dict:
                         help="large presets: cached positions per request before decoding")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
+                        help="attention cache: bf16, fp8 e4m3 with a per-tensor scale, or vLLM's "
+                             "fp8_ds_mla rows (656 bytes: fp8 latent with tile scales + bf16 RoPE)")
     parser.add_argument("--implementation", choices=["auto", "xla", "native"], default="auto")
     parser.add_argument("--check-tokens", type=int, default=8, help="tokens checked against dense attention")
     parser.add_argument("--seed", type=int, default=0)
@@ -215,10 +224,10 @@ def main(argv=None) -> dict:
         print(f"prefill: {int(prompt_lens.sum())} prompt tokens (lengths {prompt_lens.tolist()}) "
               f"in {time.perf_counter() - start:.2f} s (compile included)")
     else:
-        caches = fill_context(caches, layout, config, args.context, args.seed)
+        caches = fill_context(caches, layout, config, args.context, args.seed, args.kv_cache_dtype)
         tokens = jnp.asarray(rng.integers(0, args.vocab, args.batch), jnp.int32)
-        print(f"context: {args.context} random latent rows per request written with concat_and_cache_mla "
-              "(no prefill)")
+        print(f"context: {args.context} random latent rows and indexer keys per request written with "
+              "concat_and_cache_mla and indexer_k_quant_and_cache (no prefill)")
     positions = jnp.asarray(prompt_lens, jnp.int32)  # the next token's position
     decode_req_ids = jnp.arange(args.batch, dtype=jnp.int32)
     decode_lens = np.ones(args.batch, np.int64)
@@ -229,9 +238,13 @@ def main(argv=None) -> dict:
         step_metadata(layout, config, decode_req_ids, positions, decode_lens), layout, check_tokens))(
         state, tokens, positions, caches)
     error = float(error)
-    ok = error < 2e-2 and bool(counts_ok)
+    # An fp8 cache takes an e4m3 query: the absorbed query quantised with a per-tensor scale (relative
+    # step 2^-4), which the un-absorbed float32 reference cannot reproduce; that alone costs about 3e-2
+    # of the output (3e-3 with a bf16 query). bf16 and fp8_ds_mla caches take the bf16 query.
+    tolerance = 6e-2 if args.kv_cache_dtype == "fp8" else 2e-2
+    ok = error < tolerance and bool(counts_ok)
     print(f"check: layer 0 sparse attention vs dense MLA attention over the indexer's selection, "
-          f"{check_tokens} tokens: max relative error {error:.2e}, top-k counts "
+          f"{check_tokens} tokens: max relative error {error:.2e} (tolerance {tolerance:.0e}), top-k counts "
           f"{'ok' if counts_ok else 'WRONG'} -> {'PASS' if ok else 'FAIL'}")
 
     def decode(state, tokens, positions, caches):

@@ -24,6 +24,8 @@ from .backend import (
 )
 from .ops.dcp import correct_attn_out, cp_lse_ag_out_rs, get_dcp_local_seq_lens, lse_weighted_combine
 from .ops.index_conversion import convert_req_index_to_global_index, filter_and_convert_dcp_index
+from .ops.indexer import fp8_mqa_logits, fp8_paged_mqa_logits, top_k_per_row, top_k_per_row_decode
+from .ops.indexer_cache import cp_gather_indexer_k_quant_cache, indexer_k_quant_and_cache
 from .ops.kv_cache import concat_and_cache_ds_mla, concat_and_cache_mla, quantize_query_fp8
 from .ops.metadata import (
     CommonAttentionMetadata,
@@ -53,14 +55,20 @@ __all__ = [
     "concat_and_cache_mla",
     "convert_req_index_to_global_index",
     "correct_attn_out",
+    "cp_gather_indexer_k_quant_cache",
     "cp_lse_ag_out_rs",
     "dcp_slot_mapping",
     "filter_and_convert_dcp_index",
+    "fp8_mqa_logits",
+    "fp8_paged_mqa_logits",
     "get_dcp_local_seq_lens",
+    "indexer_k_quant_and_cache",
     "lse_weighted_combine",
     "make_decode_mesh",
     "quantize_query_fp8",
     "sharded_concat_and_cache_mla",
     "sharded_sparse_mla_decode",
     "sparse_mla_decode",
+    "top_k_per_row",
+    "top_k_per_row_decode",
 ]

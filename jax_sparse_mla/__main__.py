@@ -74,6 +74,19 @@ def _extension_lines() -> list[str]:
     return lines
 
 
+def _dispatch_lines(label: str, natives: list, reason) -> list[str]:
+    """`label: <kernel>` for the first native kernel (in precedence order) whose reason(kernel) is
+    None, else pure JAX, then one line per native kernel passed over with its reason."""
+    chosen, passed_over = "xla (pure JAX)", []
+    for kernel in natives:
+        why = reason(kernel)
+        if why is None:
+            chosen = kernel.name
+            break
+        passed_over.append(f"      not {kernel.name}: {why}")
+    return [f"  {label}: {chosen}"] + passed_over
+
+
 def _attention_lines() -> list[str]:
     if registry.current_device_capability() is None:
         return [f"  sparse_mla_decode, {label} cache: xla (pure JAX: the default device is not a "
@@ -82,15 +95,9 @@ def _attention_lines() -> list[str]:
     natives = [k for k in reversed(registry.registered_kernels()) if k.native]
     for label, layout in _CACHE_LAYOUTS:
         problem = registry.Problem(**_EXAMPLE_PROBLEM, kv_layout=layout, q_dtype="bfloat16")
-        chosen, passed_over = "xla (pure JAX)", []
-        for kernel in natives:
-            reason = registry.rejection_reason(kernel, layout, "bfloat16", problem)
-            if reason is None:
-                chosen = kernel.name
-                break
-            passed_over.append(f"{kernel.name}: {reason}")
-        lines.append(f"  sparse_mla_decode, {label} cache: {chosen}")
-        lines.extend(f"      not {line}" for line in passed_over)
+        lines += _dispatch_lines(
+            f"sparse_mla_decode, {label} cache", natives,
+            lambda kernel: registry.rejection_reason(kernel, layout, "bfloat16", problem))
     return lines
 
 
@@ -102,6 +109,18 @@ def _index_conversion_lines() -> list[str]:
     return [f"  convert_req_index_to_global_index, filter_and_convert_dcp_index: {chosen}{why}"]
 
 
+def _indexer_lines() -> list[str]:
+    lines = []
+    ops = dict.fromkeys(k.op for k in registry.registered_op_kernels())
+    for op in ops:
+        natives = [k for k in reversed(registry.registered_op_kernels(op)) if k.native]
+        if natives:
+            lines += _dispatch_lines(op, natives, registry.op_rejection_reason)
+        else:
+            lines.append(f"  {op}: xla (pure JAX: no native kernel is registered for it)")
+    return lines
+
+
 def main() -> None:
     print(f"jax-sparse-mla {__version__}")
     print(f"  Python {platform.python_version()}, jax {_version('jax')}, jaxlib {_version('jaxlib')}, "
@@ -111,7 +130,7 @@ def main() -> None:
         print(line)
     shape = ", ".join(f"{k}={v}" for k, v in _EXAMPLE_PROBLEM.items())
     print(f'dispatch here with implementation="auto" (bf16 query, {shape}):')
-    for line in _attention_lines() + _index_conversion_lines():
+    for line in _attention_lines() + _index_conversion_lines() + _indexer_lines():
         print(line)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -15,6 +16,12 @@ MLA_HEAD_DIM = 576  # kv_lora_rank (512) + qk_rope_head_dim (64)
 MLA_V_DIM = 512  # the latent part of a row; attention's V
 MLA_ROPE_DIM = 64
 DS_MLA_ROW_BYTES = 656  # fp8_ds_mla: 512 e4m3 + 4 fp32 tile scales + 64 bf16 RoPE
+
+# The lightning indexer (DeepSeek-V3.2 DSA): one 128-wide key head, 64 (or 32) query heads, and vLLM's
+# index-cache record of 128 e4m3 values + one fp32 scale per token.
+INDEXER_HEAD_DIM = 128
+INDEXER_CACHE_ROW_BYTES = INDEXER_HEAD_DIM + 4
+INDEXER_NUM_HEADS = (32, 64)
 
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_ds_mla")
 FP8_PER_TENSOR_DTYPES = ("fp8", "fp8_e4m3")
@@ -87,3 +94,27 @@ def check_finite_positive_float(name: str, value) -> float:
 
 def is_fp8_e4m3(dtype) -> bool:
     return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
+
+
+def check_shape(name: str, array, shape: tuple, why: str = "") -> None:
+    """array.shape must equal `shape`; `why` says what the shape follows from ("to match q ...")."""
+    if tuple(array.shape) != tuple(shape):
+        why = f" {why}" if why else ""
+        raise ValueError(f"{name} must have shape {tuple(shape)}{why}, got {tuple(array.shape)}.")
+
+
+def check_int_dtype(name: str, array) -> None:
+    """int32, or int64 (vLLM's slot mappings; JAX without x64 stores them as int32)."""
+    check_dtype(name, array, (jnp.int32, jnp.int64))
+
+
+def host_values(array) -> np.ndarray | None:
+    """The values of `array` when they are known at trace time (a concrete array), else None (a tracer).
+
+    Lets an op check lengths against static sizes with a clear error when it is called eagerly; under
+    `jax.jit` the values are unknown and the op's documented clamping applies instead.
+    """
+    try:
+        return np.asarray(array)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return None

@@ -13,8 +13,12 @@ class MLAConfig:
     hidden_size: model width D; num_heads: query heads H; q_lora_rank / kv_lora_rank: the low-rank
     query and latent KV widths (kv_lora_rank + qk_rope_head_dim = 576 is what the kernels take);
     qk_nope_head_dim / qk_rope_head_dim / v_head_dim: per-head dims; index_topk: keys each token keeps;
-    index_n_heads x index_head_dim: the lightning indexer; rope_theta and the YaRN fields scale RoPE
-    for long contexts (rope_factor 1 turns YaRN off).
+    index_n_heads x index_head_dim: the lightning indexer (the indexer ops take 64 or 32 heads of 128);
+    indexer_rope_interleave: the indexer's RoPE pairing, False for DeepSeek-V3.2's fixed non-interleaved
+    (NeoX) pairing (HF config key of the same name); index_hadamard: rotate the indexer's q and k by
+    the 128-point Walsh-Hadamard transform before quantising, as DeepSeek's reference does (vLLM's
+    V3.2 does not); rope_theta and the YaRN fields scale RoPE for long contexts (rope_factor 1 turns
+    YaRN off).
     """
 
     hidden_size: int
@@ -27,6 +31,8 @@ class MLAConfig:
     index_topk: int = 2048
     index_n_heads: int = 64
     index_head_dim: int = 128
+    indexer_rope_interleave: bool = False
+    index_hadamard: bool = False
     rope_theta: float = 10000.0
     rope_factor: float = 40.0
     original_max_position_embeddings: int = 4096
@@ -52,9 +58,10 @@ class MLAConfig:
 
 DEEPSEEK_V32 = MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536)
 GLM5 = MLAConfig(hidden_size=6144, num_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256)
-# Tiny but structurally identical: the kernels still see 576-wide rows; top-k 128 (vLLM's K % 128).
+# Tiny but structurally identical: the kernels still see 576-wide rows and the indexer ops their
+# 128-wide heads (32 of them, the smallest count they take); top-k 128 (vLLM's K % 128).
 TINY = MLAConfig(hidden_size=256, num_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32,
-                 index_topk=128, index_n_heads=4, index_head_dim=64, rope_factor=4.0,
+                 index_topk=128, index_n_heads=32, index_head_dim=128, rope_factor=4.0,
                  original_max_position_embeddings=128)
 
 PRESETS = {"deepseek-v3.2": DEEPSEEK_V32, "glm-5": GLM5, "tiny": TINY}

@@ -11,18 +11,29 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from .._validation import (DS_MLA_ROW_BYTES, FP8_PER_TENSOR_DTYPES, INDEXER_CACHE_ROW_BYTES,
+                           INDEXER_HEAD_DIM, INDEXER_NUM_HEADS)
 from ..backend import FlashInferMLASparseImpl, LayerScales
-from ..ops.kv_cache import concat_and_cache_mla, quantize_query_fp8, scatter_rows
+from ..ops.indexer import (fold_indexer_weights, fp8_mqa_logits, fp8_paged_mqa_logits, quantize_indexer_q,
+                           top_k_per_row, top_k_per_row_decode)
+from ..ops.indexer_cache import cp_gather_indexer_k_quant_cache, indexer_k_quant_and_cache
+from ..ops.kv_cache import concat_and_cache_mla, quantize_query_fp8
 from ..ops.metadata import FlashInferMLASparseMetadata
 from .config import MLAConfig
 from .rope import apply_rope
 
 
 class LayerCache(NamedTuple):
-    """One layer's paged caches: kv_cache [num_blocks, block_size, 576] (bf16 or fp8) holds the latent
-    rows cat(kv_c, k_pe); index_cache [num_blocks, block_size, index_head_dim] bf16 the indexer keys."""
+    """One layer's paged caches.
+
+    kv_cache: the latent rows cat(kv_c, k_pe): [num_blocks, block_size, 576] bf16 or float8_e4m3fn
+      (per-tensor scale), or uint8 [num_blocks, block_size, 656] for fp8_ds_mla.
+    index_cache: the indexer's fp8 keys, uint8 [num_blocks, block_size, 132] in vLLM's byte layout
+      (ops/indexer_cache.py).
+    """
 
     kv_cache: jax.Array
     index_cache: jax.Array
@@ -30,10 +41,14 @@ class LayerCache(NamedTuple):
 
 def empty_layer_cache(config: MLAConfig, num_blocks: int, block_size: int,
                       kv_cache_dtype: str = "auto") -> LayerCache:
-    kv_dtype = jnp.float8_e4m3fn if kv_cache_dtype in ("fp8", "fp8_e4m3") else jnp.bfloat16
+    """Zeroed caches; kv_cache_dtype "auto" / "bfloat16", "fp8" / "fp8_e4m3" or "fp8_ds_mla"."""
     width = config.kv_lora_rank + config.qk_rope_head_dim
-    return LayerCache(jnp.zeros((num_blocks, block_size, width), kv_dtype),
-                      jnp.zeros((num_blocks, block_size, config.index_head_dim), jnp.bfloat16))
+    if kv_cache_dtype == "fp8_ds_mla":
+        kv_cache = jnp.zeros((num_blocks, block_size, DS_MLA_ROW_BYTES), jnp.uint8)
+    else:
+        kv_dtype = jnp.float8_e4m3fn if kv_cache_dtype in FP8_PER_TENSOR_DTYPES else jnp.bfloat16
+        kv_cache = jnp.zeros((num_blocks, block_size, width), kv_dtype)
+    return LayerCache(kv_cache, jnp.zeros((num_blocks, block_size, INDEXER_CACHE_ROW_BYTES), jnp.uint8))
 
 
 def _linear(in_features: int, out_features: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
@@ -41,51 +56,155 @@ def _linear(in_features: int, out_features: int, rngs: nnx.Rngs, dtype) -> nnx.L
                       rngs=rngs)
 
 
-class Indexer(nnx.Module):
-    """DeepSeek's lightning indexer: I[t, s] = sum_j w[t, j] * relu(q[t, j] . k[s]) over causal keys s.
+def hadamard_rotate(x: jax.Array) -> jax.Array:
+    """DeepSeek's reference `rotate_activation`: x [..., 128] -> (H_128 x) / sqrt(128), H the Sylvester
+    (natural-order) Walsh-Hadamard matrix, H[i, j] = (-1)^popcount(i & j). Orthonormal, so exact dot
+    products are unchanged; only the fp8 rounding of q and k differs. Computed in fp32 (the reference's
+    fast_hadamard_transform runs in bf16), returned in x's dtype."""
+    n = x.shape[-1]
+    index = np.arange(n)
+    signs = 1 - 2 * (np.vectorize(lambda v: bin(v).count("1"))(index[:, None] & index[None, :]) % 2)
+    matrix = jnp.asarray(signs * n ** -0.5, jnp.float32)
+    rotated = jnp.einsum("...d,ed->...e", x.astype(jnp.float32), matrix,
+                         precision=jax.lax.Precision.HIGHEST)
+    return rotated.astype(x.dtype)
 
-    Its RoPE covers the first qk_rope_head_dim dims of each query/key (rope first, as in DeepSeek-V3.2).
+
+class Indexer(nnx.Module):
+    """DeepSeek-V3.2's lightning indexer as vLLM runs it: picks index_topk causal keys per token.
+
+    Per token (x [D] the attention input, q_a the normalised query LoRA activations, p its position):
+
+        q = wq_b(q_a) [H, 128]    k = LayerNorm(wk(x)) [128] (fp32, eps 1e-6)    w = weights_proj(x) [H] (fp32)
+        RoPE on dims [0, qk_rope_head_dim) of q and k, NeoX pairing (config.indexer_rope_interleave),
+        rounded to bf16; optionally the Hadamard rotation (config.index_hadamard)
+        k -> indexer_k_quant_and_cache (fp8, power-of-two scale per token)
+        q -> fp8 with a power-of-two scale per (token, head); w' = w * q_scale * 128^-0.5 * H^-0.5
+        I[s] = k_scale[s] * sum_h w'[h] relu(q8[h] . k8[s]) over the causal keys s <= p; top-k of I.
+
+    A step whose requests all bring the same number next_n <= max_decode_next_n of tokens is a decode:
+    fp8_paged_mqa_logits + top_k_per_row_decode, with the metadata's seq_lens as context lengths.
+    Any other step takes the prefill path: the keys of every request are gathered once
+    (cp_gather_indexer_k_quant_cache into N = num_reqs * min(max_seq_len, W * block_size) rows, a
+    static bound), then the tokens are scored in chunks of
+    rows = max(1, max_logits_bytes // (4 N)) tokens (fp8_mqa_logits + top_k_per_row, one chunk per
+    step of a scan), so that the [rows, N] fp32 logits stay within max(max_logits_bytes, 4 N) bytes.
+    Token t of request r sees rows [cu[r], cu[r] + p_t + 1) of the gathered keys.
     """
 
-    def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16) -> None:
+    def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
+                 max_decode_next_n: int = 2, max_logits_bytes: int = 512 << 20,
+                 implementation: str = "auto") -> None:
+        if config.index_head_dim != INDEXER_HEAD_DIM or config.index_n_heads not in INDEXER_NUM_HEADS:
+            raise ValueError(
+                f"the indexer ops take {' or '.join(map(str, INDEXER_NUM_HEADS))} heads of "
+                f"{INDEXER_HEAD_DIM}; config has index_n_heads={config.index_n_heads}, "
+                f"index_head_dim={config.index_head_dim}.")
         self.config = config
+        self.max_decode_next_n = max_decode_next_n
+        self.max_logits_bytes = max_logits_bytes
+        self.implementation = implementation
         self.wq_b = _linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, rngs, dtype)
         self.wk = _linear(config.hidden_size, config.index_head_dim, rngs, dtype)
-        self.k_norm = nnx.LayerNorm(config.index_head_dim, dtype=dtype, param_dtype=dtype, rngs=rngs)
-        self.weights_proj = _linear(config.hidden_size, config.index_n_heads, rngs, dtype)
+        self.k_norm = nnx.LayerNorm(config.index_head_dim, epsilon=1e-6, dtype=jnp.float32,
+                                    param_dtype=jnp.float32, rngs=rngs)
+        self.weights_proj = _linear(config.hidden_size, config.index_n_heads, rngs, jnp.float32)
 
-    def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        rope = self.config.qk_rope_head_dim
-        return jnp.concatenate([apply_rope(x[..., :rope], positions, self.config), x[..., rope:]], -1)
-
-    def keys(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-        """x [T, D], positions [T] -> index keys [T, index_head_dim] bf16."""
-        return self._rope(self.k_norm(self.wk(x)), positions).astype(jnp.bfloat16)
-
-    def select(self, x: jax.Array, q_a: jax.Array, positions: jax.Array, index_cache: jax.Array,
-               metadata: FlashInferMLASparseMetadata) -> jax.Array:
-        """Top-k causal keys of every token: [T, index_topk] int32 request-local positions, -1 padded.
-
-        x [T, D]; q_a [T, q_lora_rank] (the normalised query LoRA activations); positions [T] int32;
-        index_cache already holds this step's keys. Each token scores every position its request's
-        block table covers, so the cost is T x (table width x block size).
-        """
+    def _position_encode(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+        """RoPE on the first qk_rope_head_dim dims, bf16, then the optional Hadamard rotation."""
         c = self.config
-        num_tokens = x.shape[0]
-        q = self._rope(self.wq_b(q_a).reshape(num_tokens, c.index_n_heads, c.index_head_dim), positions)
-        weights = self.weights_proj(x).astype(jnp.float32) * (c.index_n_heads * c.index_head_dim) ** -0.5
-        block_size = metadata.block_size
-        tables = metadata.block_table[metadata.req_id_per_token[:num_tokens]]  # [T, W]
-        key_positions = jnp.arange(tables.shape[1] * block_size, dtype=jnp.int32)
-        slots = tables[:, key_positions // block_size] * block_size + key_positions % block_size
-        keys = index_cache.reshape(-1, c.index_head_dim)[slots]  # [T, S, index_head_dim]
-        per_head = jnp.einsum("thd,tsd->ths", q, keys, preferred_element_type=jnp.float32)
-        scores = jnp.einsum("ths,th->ts", jax.nn.relu(per_head), weights)
-        scores = jnp.where(key_positions[None, :] <= positions[:, None], scores, -jnp.inf)
-        kept = min(c.index_topk, key_positions.shape[0])
-        top_scores, top_positions = jax.lax.top_k(scores, kept)
-        selected = jnp.where(top_scores > -jnp.inf, top_positions, -1).astype(jnp.int32)
-        return jnp.pad(selected, ((0, 0), (0, c.index_topk - kept)), constant_values=-1)
+        rope = apply_rope(x[..., : c.qk_rope_head_dim].astype(jnp.float32), positions, c,
+                          interleaved=c.indexer_rope_interleave)
+        x = jnp.concatenate([rope, x[..., c.qk_rope_head_dim:].astype(jnp.float32)], -1)
+        x = x.astype(jnp.bfloat16)
+        return hadamard_rotate(x) if c.index_hadamard else x
+
+    def project(self, x: jax.Array, q_a: jax.Array,
+                positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D], q_a [T, q_lora_rank], positions [T] -> (q [T, H, 128] bf16, k [T, 128] bf16,
+        weights [T, H] fp32 (weights_proj(x), not yet folded))."""
+        c = self.config
+        q = self.wq_b(q_a).reshape(x.shape[0], c.index_n_heads, c.index_head_dim)
+        k = self.k_norm(self.wk(x).astype(jnp.float32)).astype(jnp.bfloat16)
+        weights = self.weights_proj(x.astype(jnp.float32))
+        return self._position_encode(q, positions), self._position_encode(k, positions), weights
+
+    def select(self, q: jax.Array, k: jax.Array, weights: jax.Array, positions: jax.Array,
+               index_cache: jax.Array,
+               metadata: FlashInferMLASparseMetadata) -> tuple[jax.Array, jax.Array]:
+        """Writes k, scores and selects: -> (topk [T, index_topk] int32 request-local positions, -1
+        padded (ascending positions, top_k_per_row's order), the new index cache).
+
+        q [T, H, 128], k [T, 128] bf16 and weights [T, H] fp32 as `project` returns them; this step's
+        keys are written before scoring, so a token sees itself.
+        """
+        num_tokens = q.shape[0]
+        slots = metadata.slot_mapping[:num_tokens]
+        index_cache = indexer_k_quant_and_cache(k[: slots.shape[0]], index_cache, slots,
+                                                implementation=self.implementation)
+        q8, q_scale = quantize_indexer_q(q)
+        weights = fold_indexer_weights(weights, q_scale)
+        next_n = metadata.max_query_len
+        if (1 <= next_n <= self.max_decode_next_n and num_tokens == metadata.num_reqs * next_n
+                and metadata.num_actual_tokens == num_tokens):
+            return self._decode(q8, weights, index_cache, metadata, next_n), index_cache
+        return self._prefill(q8, weights, positions, index_cache, metadata), index_cache
+
+    def _decode(self, q8, weights, index_cache, metadata, next_n):
+        c = self.config
+        batch = metadata.num_reqs
+        table = metadata.block_table
+        context_lens = metadata.seq_lens[:batch]
+        logits = fp8_paged_mqa_logits(
+            q8.reshape(batch, next_n, c.index_n_heads, c.index_head_dim), index_cache, weights,
+            context_lens, table, max_context_len=table.shape[1] * index_cache.shape[1],
+            implementation=self.implementation)
+        return top_k_per_row_decode(logits, context_lens, next_n=next_n, k=c.index_topk,
+                                    implementation=self.implementation)
+
+    def _prefill(self, q8, weights, positions, index_cache, metadata):
+        c = self.config
+        num_tokens = q8.shape[0]
+        table = metadata.block_table
+        num_reqs = metadata.num_reqs
+        covered = table.shape[1] * index_cache.shape[1]
+        per_request = min(metadata.max_seq_len, covered) if metadata.max_seq_len > 0 else covered
+        capacity = max(num_reqs * per_request, 1)
+        seq_lens = metadata.seq_lens[:num_reqs].astype(jnp.int32)
+        cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(seq_lens, dtype=jnp.int32)])
+        k_fp8, k_scale = cp_gather_indexer_k_quant_cache(
+            index_cache, table, cu, num_tokens=capacity, implementation=self.implementation)
+        # Rows past the batch's real tokens (padding) get an empty range and select nothing.
+        real = jnp.arange(num_tokens) < metadata.num_actual_tokens
+        req = jnp.pad(metadata.req_id_per_token, (0, max(num_tokens - metadata.num_actual_tokens, 0)))
+        req = req[:num_tokens]
+        starts = jnp.where(real, cu[req], 0)
+        ends = jnp.where(real, jnp.minimum(cu[req] + positions.astype(jnp.int32) + 1, cu[req + 1]), 0)
+
+        rows = max(1, min(num_tokens, self.max_logits_bytes // (4 * capacity)))
+        num_chunks = -(-num_tokens // rows)
+        pad = num_chunks * rows - num_tokens
+
+        def chunk(args):
+            q_chunk, w_chunk, s_chunk, e_chunk = args
+            logits = fp8_mqa_logits(q_chunk, k_fp8, k_scale, w_chunk, s_chunk, e_chunk,
+                                    implementation=self.implementation)
+            return top_k_per_row(logits, s_chunk, e_chunk, k=c.index_topk,
+                                 implementation=self.implementation)
+
+        args = tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
+                     for a in (q8, weights, starts, ends))
+        if num_chunks == 1:
+            return chunk(args)
+        args = tuple(a.reshape(num_chunks, rows, *a.shape[1:]) for a in args)
+        return jax.lax.map(chunk, args).reshape(-1, c.index_topk)[:num_tokens]
+
+    def __call__(self, x: jax.Array, q_a: jax.Array, positions: jax.Array, index_cache: jax.Array,
+                 metadata: FlashInferMLASparseMetadata) -> tuple[jax.Array, jax.Array]:
+        """x [T, D], q_a [T, q_lora_rank], positions [T] int32 -> (topk [T, index_topk] int32, the new
+        index cache)."""
+        q, k, weights = self.project(x, q_a, positions)
+        return self.select(q, k, weights, positions, index_cache, metadata)
 
 
 class MLASparseAttention(nnx.Module):
@@ -95,11 +214,15 @@ class MLASparseAttention(nnx.Module):
     Latent KV: x -> wkv_a -> (RMSNorm(kv_c [512]), RoPE(k_pe [64])) written to the paged cache.
     W_UK is absorbed into the query (attention runs in the 576-wide latent space: MQA with one KV
     head), and W_UV is applied to the 512-wide attention output before wo.
+
+    implementation picks the sparse-MLA kernel, indexer_implementation the indexer ops' kernels
+    ("auto", "xla" or "native" each): apart, so that "native" attention keeps working on devices where
+    the indexer has no native kernel.
     """
 
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
                  kv_cache_dtype: str = "auto", q_scale: float = 1.0, k_scale: float = 1.0,
-                 implementation: str = "auto") -> None:
+                 implementation: str = "auto", indexer_implementation: str = "auto") -> None:
         c = config
         self.config = config
         self.kv_cache_dtype = kv_cache_dtype
@@ -113,7 +236,7 @@ class MLASparseAttention(nnx.Module):
                                    param_dtype=dtype, rngs=rngs)
         self.wkv_b = _linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), rngs, dtype)
         self.wo = _linear(c.num_heads * c.v_head_dim, c.hidden_size, rngs, dtype)
-        self.indexer = Indexer(c, rngs=rngs, dtype=dtype)
+        self.indexer = Indexer(c, rngs=rngs, dtype=dtype, implementation=indexer_implementation)
         self.impl = FlashInferMLASparseImpl(
             c.num_heads, c.kv_lora_rank + c.qk_rope_head_dim, c.softmax_scale, 1, None, None,
             kv_cache_dtype, None, "decoder", None, kv_lora_rank=c.kv_lora_rank,
@@ -153,9 +276,7 @@ class MLASparseAttention(nnx.Module):
         kv_cache = concat_and_cache_mla(kv_c, k_pe, cache.kv_cache, metadata.slot_mapping,
                                         kv_cache_dtype=self.kv_cache_dtype,
                                         k_scale=self.scales._k_scale_float)
-        index_cache = scatter_rows(cache.index_cache, metadata.slot_mapping,
-                                   self.indexer.keys(x, positions))
-        topk_indices = self.indexer.select(x, q_a, positions, index_cache, metadata)
+        topk_indices, index_cache = self.indexer(x, q_a, positions, cache.index_cache, metadata)
         w_uk, w_uv = self.absorbed_weights()
         ql_nope = jnp.einsum("thp,lhp->thl", q_nope, w_uk, preferred_element_type=jnp.float32)
         mqa_q = jnp.concatenate([ql_nope, q_pe.astype(jnp.float32)], -1).astype(jnp.bfloat16)

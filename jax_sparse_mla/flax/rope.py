@@ -38,8 +38,14 @@ def inverse_frequencies(config: MLAConfig, rotary_dim: int) -> np.ndarray:
     return blended.astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, config: MLAConfig) -> jax.Array:
-    """Rotates interleaved pairs (x[2i], x[2i+1]) of x [T, ..., R] by positions [T] int32."""
+def apply_rope(x: jax.Array, positions: jax.Array, config: MLAConfig, *,
+               interleaved: bool = True) -> jax.Array:
+    """Rotates x [T, ..., R] by positions [T] int32; pair i (i < R/2) turns by the angle p * f_i.
+
+    interleaved=True pairs (x[2i], x[2i+1]): DeepSeek's MLA (its reference views the RoPE dims as
+    complex numbers, vLLM's MLA RoPE has is_neox_style=False). interleaved=False pairs (x[i], x[i + R/2])
+    (NeoX style): DeepSeek-V3.2's indexer since the fix in vLLM PR #28968.
+    """
     rotary_dim = x.shape[-1]
     inv_freq = jnp.asarray(inverse_frequencies(config, rotary_dim))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]
@@ -47,7 +53,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, config: MLAConfig) -> jax.Arr
         config.rope_factor, config.mscale_all_dim)
     cos = (jnp.cos(angles) * attention_factor).reshape(angles.shape[0], *([1] * (x.ndim - 2)), -1)
     sin = (jnp.sin(angles) * attention_factor).reshape(cos.shape)
-    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], rotary_dim // 2, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
-    return rotated.reshape(x.shape).astype(x.dtype)
+    x32 = x.astype(jnp.float32)
+    if interleaved:
+        pairs = x32.reshape(*x.shape[:-1], rotary_dim // 2, 2)
+        first, second = pairs[..., 0], pairs[..., 1]
+    else:
+        first, second = x32[..., : rotary_dim // 2], x32[..., rotary_dim // 2:]
+    rotated = (first * cos - second * sin, first * sin + second * cos)
+    if interleaved:
+        return jnp.stack(rotated, axis=-1).reshape(x.shape).astype(x.dtype)
+    return jnp.concatenate(rotated, axis=-1).astype(x.dtype)

@@ -1,4 +1,5 @@
-"""The kernel registry: which implementation of the sparse-MLA decode kernel runs where.
+"""The kernel registry: which implementation of the sparse-MLA decode kernel (and of each indexer op)
+runs where.
 
 Every kernel has the same contract, so the public op does its argument checking and scale folding
 once and then hands over:
@@ -23,12 +24,17 @@ A kernel is chosen at trace time from the device that JAX computes on (platform 
 capability), the cache layout, the query dtype and, for kernels with shape limits, the problem's
 static shapes (`Problem`, checked by the kernel's `check`). The pure-JAX kernel runs everywhere and is
 the reference.
+
+The lightning-indexer ops (ops/indexer_cache.py, ops/indexer.py) are registered the same way, one list
+per op name (`OpKernel`, `register_op_kernel`, `select_op_kernel`): each op registers its pure-JAX
+implementation, and a native kernel registered later under the same op name takes over on the devices
+it fits, with the same `implementation=` semantics. Both registries pick through `_choose`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Any, Callable, Sequence, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -132,24 +138,71 @@ def device_sm_count() -> int:
     return int(count)
 
 
+def _device_reason(capability: tuple[int, int] | None,
+                   capability_majors: tuple[int, ...]) -> str | None:
+    """Why a native kernel built for `capability_majors` cannot run on a device of `capability`."""
+    if capability is None:
+        return "the default device is not a CUDA GPU"
+    if capability[0] not in capability_majors:
+        return (f"needs compute capability major {capability_majors}, "
+                f"device has {capability[0]}.{capability[1]}")
+    return None
+
+
+def _build_reason(available: Callable[[], bool], check: Callable | None, problem: Any,
+                  capability: tuple[int, int]) -> str | None:
+    """Why a kernel that suits the device still cannot run: not built, or the problem's shapes."""
+    if not available():
+        return "the native extension is not built or failed to load"
+    if problem is not None and check is not None:
+        return check(problem, capability)
+    return None
+
+
+_Kernel = TypeVar("_Kernel")
+
+
+def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_Kernel], str | None],
+            subject: str = "") -> _Kernel:
+    """The selection rule both registries share.
+
+    kernels: the candidates in registration order, exactly one of them pure JAX (native=False); later
+    native kernels win. reason(kernel) is None when a native kernel can run this call, else why not.
+    "xla" returns the pure-JAX kernel, "auto" the last native kernel that fits or else the pure-JAX one,
+    "native" the last native kernel that fits or a ValueError listing every candidate's reason.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
+    fallback = next(k for k in kernels if not k.native)
+    if implementation == "xla":
+        return fallback
+    reasons = []
+    for kernel in reversed(kernels):
+        if not kernel.native:
+            continue
+        why = reason(kernel)
+        if why is None:
+            return kernel
+        reasons.append(f"{kernel.name}: {why}")
+    if implementation == "native":
+        detail = "; ".join(reasons) if reasons else "no native kernel is registered"
+        raise ValueError(
+            f"implementation='native' was requested{subject} but no native kernel fits: {detail}.")
+    return fallback
+
+
 def rejection_reason(kernel: SparseMLAKernel, kv_layout: str, q_dtype_name: str,
                      problem: Problem | None = None) -> str | None:
     """Why the native `kernel` cannot run this call on the default device, or None when it can."""
     capability = current_device_capability()
-    if capability is None:
-        return "the default device is not a CUDA GPU"
-    if capability[0] not in kernel.capability_majors:
-        return (f"needs compute capability major {kernel.capability_majors}, "
-                f"device has {capability[0]}.{capability[1]}")
+    reason = _device_reason(capability, kernel.capability_majors)
+    if reason is not None:
+        return reason
     if kv_layout not in kernel.kv_layouts:
         return f"kv layout {kv_layout!r} not in {kernel.kv_layouts}"
     if q_dtype_name not in kernel.q_dtypes:
         return f"query dtype {q_dtype_name} not in {kernel.q_dtypes}"
-    if not kernel.available():
-        return "the native extension is not built or failed to load"
-    if problem is not None and kernel.check is not None:
-        return kernel.check(problem, capability)
-    return None
+    return _build_reason(kernel.available, kernel.check, problem, capability)
 
 
 def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto",
@@ -160,20 +213,94 @@ def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto
     "native" (a native kernel, or a clear error saying why none fits).
     problem: the call's static shapes, checked by kernels that have limits (None skips the checks).
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
-    xla = next(k for k in _KERNELS if not k.native)
-    if implementation == "xla":
-        return xla
-    reasons = []
-    for kernel in reversed(_KERNELS):
-        if not kernel.native:
-            continue
-        reason = rejection_reason(kernel, kv_layout, q_dtype_name, problem)
-        if reason is None:
-            return kernel
-        reasons.append(f"{kernel.name}: {reason}")
-    if implementation == "native":
-        detail = "; ".join(reasons) if reasons else "no native kernel is registered"
-        raise ValueError(f"implementation='native' was requested but no native kernel fits: {detail}.")
-    return xla
+    return _choose(_KERNELS, implementation,
+                   lambda kernel: rejection_reason(kernel, kv_layout, q_dtype_name, problem))
+
+
+# --- the indexer ops ------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class IndexerProblem:
+    """The static description of one indexer-op call that a native kernel may reject.
+
+    op: the public function's name. Fields an op does not have are 0 (next_n: 1).
+    num_rows:   rows of the result: T keys written, R gathered rows, M query tokens, B * next_n
+                decode rows, R logits rows of a top-k.
+    num_heads:  H (logits ops).
+    num_keys:   keys per row: the cache's slots (writer), num_tokens (gather), N (fp8_mqa_logits),
+                max_context_len (fp8_paged_mqa_logits), S (top-k).
+    batch:      requests: R (gather), B (paged logits, decode top-k).
+    next_n:     query tokens per request (paged logits, decode top-k).
+    top_k:      k (top-k ops).
+    block_size: the index cache's tokens per block (writer, gather, paged logits).
+    dtypes:     the array arguments' dtype names, in signature order.
+    """
+
+    op: str
+    num_rows: int = 0
+    num_heads: int = 0
+    num_keys: int = 0
+    batch: int = 0
+    next_n: int = 1
+    top_k: int = 0
+    block_size: int = 0
+    dtypes: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class OpKernel:
+    """One implementation of a named op other than the decode kernel (the indexer ops).
+
+    op:               the public function's name ("fp8_paged_mqa_logits", ...); fn takes that function's
+                      checked arguments (its static sizes as keywords, no `implementation`) and returns
+                      its result, with the semantics in the public docstring.
+    name:             short name shown in errors ("xla", "sm90_deepgemm", ...).
+    native, capability_majors, available: as in SparseMLAKernel.
+    check:            optional check(problem: IndexerProblem, (major, minor)) -> None or the reason.
+    """
+
+    op: str
+    name: str
+    native: bool
+    capability_majors: tuple[int, ...]
+    fn: Callable
+    available: Callable[[], bool] = lambda: True
+    check: Callable[[IndexerProblem, tuple[int, int]], str | None] | None = None
+
+
+_OP_KERNELS: dict[str, list[OpKernel]] = {}
+
+
+def register_op_kernel(kernel: OpKernel) -> None:
+    """Adds an implementation of kernel.op; native kernels registered later take precedence."""
+    kernels = _OP_KERNELS.setdefault(kernel.op, [])
+    if any(k.name == kernel.name for k in kernels):
+        raise ValueError(f"a kernel named {kernel.name!r} is already registered for {kernel.op}.")
+    if not kernel.native and any(not k.native for k in kernels):
+        raise ValueError(f"{kernel.op} already has a pure-JAX kernel.")
+    kernels.append(kernel)
+
+
+def registered_op_kernels(op: str | None = None) -> tuple[OpKernel, ...]:
+    """The kernels registered for `op` (all ops when None), in registration order."""
+    if op is not None:
+        return tuple(_OP_KERNELS.get(op, ()))
+    return tuple(k for kernels in _OP_KERNELS.values() for k in kernels)
+
+
+def op_rejection_reason(kernel: OpKernel, problem: IndexerProblem | None = None) -> str | None:
+    """Why the native op `kernel` cannot run this call on the default device, or None when it can."""
+    capability = current_device_capability()
+    reason = _device_reason(capability, kernel.capability_majors)
+    if reason is not None:
+        return reason
+    return _build_reason(kernel.available, kernel.check, problem, capability)
+
+
+def select_op_kernel(op: str, implementation: str = "auto",
+                     problem: IndexerProblem | None = None) -> OpKernel:
+    """Picks the implementation of `op` for this device (the rules of select_kernel)."""
+    if op not in _OP_KERNELS:
+        raise KeyError(f"no kernel is registered for the op {op!r}.")
+    return _choose(_OP_KERNELS[op], implementation,
+                   lambda kernel: op_rejection_reason(kernel, problem), f" for {op}")

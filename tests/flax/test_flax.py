@@ -11,6 +11,7 @@ pytest.importorskip("flax")
 from flax import nnx  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
+from reference import rope_np, yarn_frequencies_np  # noqa: E402
 from jax_sparse_mla.flax import TINY, MLASparseAttention, apply_rope, empty_layer_cache  # noqa: E402
 
 BLOCK_SIZE = 64
@@ -85,39 +86,29 @@ def test_topk_below_the_context_equals_dense_attention_over_the_selection(layer)
     assert relative_error(y, dense_mla_numpy(layer, x, positions, cache, slots, recent)) > 1e-2
 
 
-def test_indexer_keeps_the_highest_scoring_causal_keys(layer):
-    num_tokens = 180
-    x, positions, _, cache, topk, slots = prefill_one_request(layer, num_tokens, seed=2)
-    c = TINY
-    indexer = layer.indexer
-    _, _, q_a = layer.project_query(x, positions)
-    q = indexer._rope(indexer.wq_b(q_a).reshape(num_tokens, c.index_n_heads, c.index_head_dim), positions)
-    q = np.asarray(q.astype(jnp.float32), np.float64)
-    weights = np.asarray(indexer.weights_proj(x).astype(jnp.float32), np.float64) * (
-        c.index_n_heads * c.index_head_dim) ** -0.5
-    keys = np.asarray(cache.index_cache.astype(jnp.float32), np.float64).reshape(-1, c.index_head_dim)[slots]
-    for t in range(num_tokens):
-        scores = (np.maximum(q[t] @ keys[: t + 1].T, 0) * weights[t][:, None]).sum(0)
-        chosen = topk[t][topk[t] >= 0]
-        rest = np.setdiff1d(np.arange(t + 1), chosen)
-        if rest.size:  # every kept key scores at least as high as every dropped one (bf16 slack)
-            assert scores[chosen].min() >= scores[rest].max() - 1e-2 * np.abs(scores).max()
-
-
-def test_rope_matches_the_yarn_formula():
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_matches_the_yarn_formula(interleaved):
+    """Both pairings against their formulas: interleaved is DeepSeek's MLA (complex pairs, vLLM's
+    is_neox_style=False), non-interleaved the V3.2 indexer's (NeoX)."""
     x = np.random.default_rng(0).standard_normal((3, 2, 64)).astype(np.float32)
     positions = np.array([0, 5, 1000])
-    out = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions, jnp.int32), TINY))
-    dim, base, factor = 64, TINY.rope_theta, TINY.rope_factor
-    freq = base ** -(np.arange(0, dim, 2) / dim)
-    turns = lambda b: dim * math.log(TINY.original_max_position_embeddings / (b * 2 * math.pi)) / (2 * math.log(base))
-    low, high = max(math.floor(turns(TINY.beta_fast)), 0), min(math.ceil(turns(TINY.beta_slow)), dim - 1)
-    ramp = np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
-    freq = freq / factor * ramp + freq * (1 - ramp)
-    for t, p in enumerate(positions):
-        angle = p * freq
-        even, odd = x[t, :, 0::2], x[t, :, 1::2]
-        np.testing.assert_allclose(out[t, :, 0::2], even * np.cos(angle) - odd * np.sin(angle), atol=5e-4)
-        np.testing.assert_allclose(out[t, :, 1::2], even * np.sin(angle) + odd * np.cos(angle), atol=5e-4)
+    out = np.asarray(apply_rope(jnp.asarray(x), jnp.asarray(positions, jnp.int32), TINY,
+                                interleaved=interleaved))
+    freq = yarn_frequencies_np(64, TINY.rope_theta, TINY.rope_factor, TINY.original_max_position_embeddings,
+                               TINY.beta_fast, TINY.beta_slow)
+    np.testing.assert_allclose(out, rope_np(x, positions, freq, interleaved=interleaved), atol=5e-4)
+    factor = TINY.rope_factor
     assert factor > 1 and TINY.softmax_scale == pytest.approx(
         TINY.qk_head_dim ** -0.5 * (0.1 * math.log(factor) + 1) ** 2)
+
+
+def test_mla_rope_is_interleaved(layer):
+    """The layer's k_pe uses DeepSeek MLA's interleaved pairing (and its q_pe the same function)."""
+    x = jax.random.normal(jax.random.key(3), (5, TINY.hidden_size), jnp.bfloat16)
+    positions = jnp.asarray([0, 1, 7, 100, 4000], jnp.int32)
+    _, k_pe = layer.project_latent_kv(x, positions)
+    raw = np.asarray(layer.wkv_a(x).astype(jnp.float32))[:, TINY.kv_lora_rank:]
+    freq = yarn_frequencies_np(64, TINY.rope_theta, TINY.rope_factor, TINY.original_max_position_embeddings,
+                               TINY.beta_fast, TINY.beta_slow)
+    expected = rope_np(raw, np.asarray(positions), freq, interleaved=True)
+    np.testing.assert_allclose(np.asarray(k_pe, np.float32), expected, atol=3e-2 * np.abs(expected).max())
