@@ -42,7 +42,7 @@ nb::dict Registrations() {
 }
 
 // Targets whose handlers declare xla::ffi::Traits::kCmdBufferCompatible. JAX takes a handler's
-// traits at registration, not from its symbol, so _native.py passes them for these names.
+// traits at registration, not from its symbol, so kernels/native.py passes them for these names.
 std::vector<std::string> CommandBufferTargets() {
   std::vector<std::string> names;
 #ifdef JAX_SPARSE_MLA_HAS_SM90

@@ -115,7 +115,9 @@ def _indexer_lines() -> list[str]:
     for op in ops:
         natives = [k for k in reversed(registry.registered_op_kernels(op)) if k.native]
         if natives:
-            lines += _dispatch_lines(op, natives, registry.op_rejection_reason)
+            lines += _dispatch_lines(op, natives, lambda kernel: (
+                registry.op_rejection_reason(kernel) or (
+                    None if kernel.validated else "not yet validated on its GPU")))
         else:
             lines.append(f"  {op}: xla (pure JAX: no native kernel is registered for it)")
     return lines

@@ -257,6 +257,8 @@ class OpKernel:
     name:             short name shown in errors ("xla", "sm90_deepgemm", ...).
     native, capability_majors, available: as in SparseMLAKernel.
     check:            optional check(problem: IndexerProblem, (major, minor)) -> None or the reason.
+    validated:        False for a native kernel that has not yet passed its GPU tests on the hardware
+                      it targets: implementation="native" runs it, "auto" passes it over (and says so).
     """
 
     op: str
@@ -266,6 +268,7 @@ class OpKernel:
     fn: Callable
     available: Callable[[], bool] = lambda: True
     check: Callable[[IndexerProblem, tuple[int, int]], str | None] | None = None
+    validated: bool = True
 
 
 _OP_KERNELS: dict[str, list[OpKernel]] = {}
@@ -302,5 +305,10 @@ def select_op_kernel(op: str, implementation: str = "auto",
     """Picks the implementation of `op` for this device (the rules of select_kernel)."""
     if op not in _OP_KERNELS:
         raise KeyError(f"no kernel is registered for the op {op!r}.")
-    return _choose(_OP_KERNELS[op], implementation,
-                   lambda kernel: op_rejection_reason(kernel, problem), f" for {op}")
+
+    def reason(kernel: OpKernel) -> str | None:
+        if implementation == "auto" and not kernel.validated:
+            return "not yet validated on its GPU (implementation='native' runs it)"
+        return op_rejection_reason(kernel, problem)
+
+    return _choose(_OP_KERNELS[op], implementation, reason, f" for {op}")

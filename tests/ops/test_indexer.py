@@ -386,3 +386,19 @@ def test_a_registered_native_kernel_takes_over_where_it_fits(monkeypatch):
     with pytest.raises(ValueError, match="already registered"):
         registry.register_op_kernel(registry.OpKernel(op="top_k_per_row", name="sm90_test", native=True,
                                                       capability_majors=(9,), fn=fake_top_k))
+
+
+def test_an_unvalidated_native_kernel_runs_only_when_asked_for(monkeypatch):
+    def fake_top_k(logits, row_starts, row_ends, *, k):
+        return jnp.full((logits.shape[0], k), -7, jnp.int32)
+
+    kernels = {op: list(ks) for op, ks in registry._OP_KERNELS.items()}
+    monkeypatch.setattr(registry, "_OP_KERNELS", kernels)
+    monkeypatch.setattr(registry, "current_device_capability", lambda: (9, 0))
+    registry.register_op_kernel(registry.OpKernel(op="top_k_per_row", name="sm90_new", native=True,
+                                                  capability_majors=(9,), fn=fake_top_k,
+                                                  validated=False))
+    logits = jnp.zeros((2, 3000), jnp.float32)
+    starts, ends = jnp.zeros(2, jnp.int32), jnp.full(2, 3000, jnp.int32)
+    assert (np.asarray(jsm.top_k_per_row(logits, starts, ends, k=2048)) != -7).all()  # auto: pure JAX
+    assert (np.asarray(jsm.top_k_per_row(logits, starts, ends, k=2048, implementation="native")) == -7).all()
