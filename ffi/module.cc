@@ -10,6 +10,8 @@
 #include "nanobind/stl/vector.h"
 #include "common/sha256.h"
 #include "sm120/sm120_plan.h"
+#include "sm90/indexer_logits.h"
+#include "sm90/indexer_topk.h"
 #include "sm90/sm90_handlers.h"
 #include "sm90/sm90_schedule.h"
 #include "sm100/trtllm_gen.h"
@@ -31,6 +33,12 @@ nb::dict Registrations() {
   targets["jax_sparse_mla_sm90_decode_bf16"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeBf16);
   targets["jax_sparse_mla_sm90_decode_fp8"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeFp8);
   targets["jax_sparse_mla_sm90_fp8_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm90Fp8Decode);
+  targets["jax_sparse_mla_sm90_paged_mqa_logits"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogits);
+  targets["jax_sparse_mla_sm90_mqa_logits"] = EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogits);
+  targets["jax_sparse_mla_sm90_top_k_per_row"] = EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRow);
+  targets["jax_sparse_mla_sm90_top_k_per_row_decode"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecode);
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM100
   targets["jax_sparse_mla_trtllm_gen_decode"] = EncapsulateFfiHandler(JaxSparseMlaTrtllmGenDecode);
@@ -49,6 +57,10 @@ std::vector<std::string> CommandBufferTargets() {
   names.push_back("jax_sparse_mla_sm90_decode_bf16");
   names.push_back("jax_sparse_mla_sm90_decode_fp8");
   names.push_back("jax_sparse_mla_sm90_fp8_decode");
+  names.push_back("jax_sparse_mla_sm90_paged_mqa_logits");
+  names.push_back("jax_sparse_mla_sm90_mqa_logits");
+  names.push_back("jax_sparse_mla_sm90_top_k_per_row");
+  names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode");
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM120
   names.push_back("jax_sparse_mla_sm120_decode");

@@ -3,13 +3,13 @@
 // one launch of the merge; no host synchronisation, no allocation (partials are XLA scratch).
 #include <cuda_runtime_api.h>
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 
 #include "sm90/sm90_fp8_kernel.cuh"
 #include "sm90/sm90_fp8_wide_kernel.cuh"
 #include "sm90/sm90_handlers.h"
+#include "sm90/sm90_launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sparse_mla::fp8 {
@@ -21,20 +21,7 @@ ffi::Error ArgumentError(const std::string& what) {
   return ffi::Error::InvalidArgument("sparse_mla sm90 fp8 decode: " + what);
 }
 
-// Raises `kKernel`'s dynamic shared-memory limit to kSmemBytes once per device (the attribute
-// belongs to the device's context); a host-side call that stream capture allows.
-template <auto kKernel, int kSmemBytes>
-cudaError_t RaiseSharedMemoryLimit() {
-  static std::atomic<uint64_t> raised_on{0};  // bit d: done on device d (d < 64)
-  int device = 0;
-  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if ((raised_on.load(std::memory_order_relaxed) & bit) != 0) return cudaSuccess;
-  const cudaError_t status =
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (status == cudaSuccess) raised_on.fetch_or(bit, std::memory_order_relaxed);
-  return status;
-}
+using sm90::RaiseSharedMemoryLimit;
 
 // One CTA of kThreadsPerCta threads per (group of kHeadsPerCta heads, split, token), in clusters
 // of kClusterSize CTAs along the head groups. Head groups vary fastest: the CTAs of one token's

@@ -46,6 +46,8 @@
 
 #include <cstdint>
 
+#include "sm90/sm90_async.cuh"
+
 namespace jax_sparse_mla::fp8 {
 
 inline constexpr int kQkDim = 576;
@@ -125,23 +127,15 @@ struct TileConfig {
 
 // ---- PTX wrappers ---------------------------------------------------------------------------------
 
-__device__ __forceinline__ uint32_t SmemAddress(const void* pointer) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
-}
+using sm90::ArriveExpectBytes;
+using sm90::CopyBulk;
+using sm90::SmemAddress;
+using sm90::WaitBarrier;
 
+// Every barrier here is fenced for the copy engine as soon as it is initialised.
 __device__ __forceinline__ void InitBarrier(uint64_t* barrier, int arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(SmemAddress(barrier)),
-               "r"(arrivals));
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-// One arrival on the barrier, announcing bytes that copies completing on it will bring (copies of
-// other arrivals may complete first: the phase ends only when every arrival is in).
-__device__ __forceinline__ void ArriveExpectBytes(uint64_t* barrier, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(
-                   SmemAddress(barrier)),
-               "r"(bytes)
-               : "memory");
+  sm90::InitBarrier(barrier, arrivals);
+  sm90::FenceBarrierInit();
 }
 
 __device__ __forceinline__ void Arrive(uint64_t* barrier) {
@@ -151,29 +145,6 @@ __device__ __forceinline__ void Arrive(uint64_t* barrier) {
 // The consumer warps' barrier (the producers never wait on it).
 __device__ __forceinline__ void ConsumerSync() {
   asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory");
-}
-
-__device__ __forceinline__ void WaitBarrier(uint64_t* barrier, uint32_t phase) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "wait:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra wait;\n"
-      "}\n" ::"r"(SmemAddress(barrier)),
-      "r"(phase)
-      : "memory");
-}
-
-// One bulk copy (the copy engine, not the threads, moves the bytes) of `bytes` (a multiple of 16,
-// both addresses 16-byte aligned) that completes on `barrier`.
-__device__ __forceinline__ void CopyBulk(void* dst, const void* src, uint32_t bytes,
-                                         uint64_t* barrier) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(SmemAddress(dst)),
-      "l"(src), "r"(bytes), "r"(SmemAddress(barrier))
-      : "memory");
 }
 
 // 2^x (ex2.approx.ftz: 2^-inf = 0, NaN stays NaN; results below 2^-126 flush to 0).

@@ -25,6 +25,10 @@ ALL_TARGETS = {
     "jax_sparse_mla_sm90_decode_bf16",
     "jax_sparse_mla_sm90_decode_fp8",
     "jax_sparse_mla_sm90_fp8_decode",
+    "jax_sparse_mla_sm90_paged_mqa_logits",
+    "jax_sparse_mla_sm90_mqa_logits",
+    "jax_sparse_mla_sm90_top_k_per_row",
+    "jax_sparse_mla_sm90_top_k_per_row_decode",
     "jax_sparse_mla_trtllm_gen_decode",
     "jax_sparse_mla_sm120_decode",
 }

@@ -13,9 +13,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -26,6 +23,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import native, registry
+from gpu_subprocess import assert_memcheck_clean, run_with_command_buffers
 from reference import assert_native_matches
 
 SCALE = 192 ** -0.5 * 1.2
@@ -151,18 +149,6 @@ def test_split_kv_with_empty_splits(num_heads):
                    out_rtol=1e-2)
 
 
-def run_script(args: list[str], *, xla_flags: str, cwd, timeout: int) -> subprocess.CompletedProcess:
-    """Runs a child Python process the way a user's script runs: from `cwd` (not the checkout, whose
-    jax_sparse_mla has no compiled extension), importing the installed package, with this folder
-    and tests/ on its path for the test modules, and without JAX's preallocation (the parent pytest
-    process holds the GPU too)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=xla_flags,
-               PYTHONPATH=os.pathsep.join(p for p in path if p))
-    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-
-
 MEMCHECK_GRID = [(1, 16, 128), (3, 128, 256)]
 MEMCHECK_SCRIPT = textwrap.dedent("""
     import test_sm90_fp8_gpu as fp8_cases
@@ -176,19 +162,9 @@ MEMCHECK_SCRIPT = textwrap.dedent("""
 
 
 def test_memcheck_clean(tmp_path):
-    """The small grid under compute-sanitizer --tool memcheck, as a plain script (pytest under the
-    sanitizer crashes in the interpreter): every case matches and the sanitizer reports 0 errors."""
-    sanitizer = shutil.which("compute-sanitizer")
-    if sanitizer is None:
-        pytest.skip("compute-sanitizer is not on PATH")
-    # No autotuning: under the sanitizer every candidate kernel XLA times would be instrumented too.
-    result = run_script([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
-                         "-c", MEMCHECK_SCRIPT], xla_flags="--xla_gpu_autotune_level=0",
-                        cwd=tmp_path, timeout=900)
-    report = result.stdout[-3000:] + result.stderr[-3000:]
-    assert result.returncode == 0, report
-    assert "MEMCHECK GRID PASSED" in result.stdout, report
-    assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr, report
+    """The small grid under compute-sanitizer --tool memcheck: every case matches and the sanitizer
+    reports 0 errors."""
+    assert_memcheck_clean(MEMCHECK_SCRIPT, tmp_path)
 
 
 def test_fp8_query_and_scales():
@@ -249,7 +225,7 @@ def test_forward_mqa_native_matches_xla(kv_dtype, num_heads):
 
 
 COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
-    import glob, os, re, sys
+    import os, sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_sparse_mla as jsm
     rng = np.random.default_rng(0)
@@ -276,33 +252,8 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 
     native, reference = loop("native"), loop("xla")
     error = float(jnp.linalg.norm(native - reference) / jnp.linalg.norm(reference))
-    # XLA forms command buffers on the thunk sequence after its HLO passes (CommandBufferConversionPass)
-    # and dumps the result as *thunk_sequence_after_thunk_passes.txt, one thunk per line
-    # ("<indent>NNN: kKind"), the thunks a command buffer holds indented below its kCommandBuffer
-    # line. Our custom call is captured when every kCustomCall thunk of the modules holding it has
-    # a kCommandBuffer ancestor (nested ones included: a loop body gets command buffers of its own).
-    modules = {os.path.basename(path).split(".")[0]
-               for path in glob.glob(sys.argv[1] + "/*after_optimizations.txt")
-               if target in open(path).read()}
-    custom_calls, captured, shown = 0, 0, []
-    for path in sorted(glob.glob(sys.argv[1] + "/*thunk_sequence_after_thunk_passes.txt")):
-        if os.path.basename(path).split(".")[0] not in modules:
-            continue
-        stack = []
-        for line in open(path):
-            match = re.match(r"^( *)\\d+: (k\\w+)", line)
-            if not match:
-                continue
-            depth, kind = len(match.group(1)), match.group(2)
-            while stack and stack[-1][0] >= depth:
-                stack.pop()
-            if kind == "kCustomCall":
-                custom_calls += 1
-                captured += any(k == "kCommandBuffer" for _, k in stack)
-            stack.append((depth, kind))
-            if len(shown) < 40:
-                shown.append(line.rstrip())
-    print("MODULES", sorted(modules))
+    from gpu_subprocess import custom_calls_in_command_buffers
+    custom_calls, captured, shown = custom_calls_in_command_buffers(sys.argv[1], [target])
     print("THUNKS", *shown, sep="\\n")
     print("FILES", sorted(os.listdir(sys.argv[1]))[:60])
     hits = custom_calls > 0 and captured == custom_calls
@@ -314,12 +265,7 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("kv_dtype,num_heads", [("bf16", 16), ("fp8", 16), ("fp8", 128)])
 def test_under_command_buffers(tmp_path, kv_dtype, num_heads):
     """The handlers claim kCmdBufferCompatible: run them inside XLA command buffers (CUDA graphs)."""
-    dump = tmp_path / "dump"
-    flags = (f"--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1 "
-             f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
-    result = run_script([sys.executable, "-c", COMMAND_BUFFER_SCRIPT, str(dump), kv_dtype,
-                         str(num_heads)], xla_flags=flags, cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_with_command_buffers(COMMAND_BUFFER_SCRIPT, [kv_dtype, str(num_heads)], tmp_path)
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
     _, error, in_command_buffer, has_nan = line.split()
     assert has_nan == "False"

@@ -1,0 +1,386 @@
+// The lightning indexer's fp8 MQA logits on SM90, our own kernels (no DeepGEMM / vLLM code):
+//
+//   logits[row, s] = k_scale[s] * sum_h weights[row, h] * relu(q[row, h, :] . k[s, :])
+//
+// with e4m3 q and k (exact products), fp32 accumulation, and -inf at every column outside the
+// row's range (never uninitialised memory). Two kernels share the warp-level code below:
+//
+//   PagedMqaLogitsKernel  (decode) one CTA per (request, chunk of `tiles_per_cta` 64-token cache
+//                         blocks). Each block of the index cache is one contiguous 8448-byte page
+//                         (64 x 128 e4m3 values token-major, then 64 fp32 scales), so one bulk copy
+//                         brings a whole page, scales included, into a ring of kStages stages.
+//   RaggedMqaLogitsKernel (prefill) one CTA per (group of kRows query rows, chunk of 64-key tiles
+//                         of the gathered key buffer); each key tile is reused by all its rows.
+//
+// Work of one CTA on one 64-key tile: the query columns (row, head) it owns are split into groups
+// of at most 64 columns; each group is 4 warps, warp w of a group takes keys [16 w, 16 w + 16) of
+// the tile (one m16 tile) against all the group's columns. The dot products are tensor-core MMAs
+// mma.sync.m16n8k32 e4m3 x e4m3 -> f32 with the keys as A (row-major, 16 keys x 32 dims) and the
+// query columns as B (8 columns x 32 dims, "col" = dims contiguous), K = 128 in 4 steps. Each
+// thread keeps its columns' query bytes (B fragments) and head weights in registers for the whole
+// CTA, so a tile costs only its key fragments from shared memory. The epilogue applies relu and
+// the head weight to each accumulator, sums over heads (in-thread over its columns, then over the
+// 4 threads of a quad with shuffles), multiplies by the key's scale and stores fp32 straight to
+// global memory, or -inf where the key is outside the row's range.
+//
+// Throughput caveat: sm_90 has no native fp8 mma.sync; ptxas lowers each m16n8k32 e4m3 MMA to
+// e4m3 -> f16 conversions of both operands (F2FP.F16.E4M3.UNPACK_B, exact) and f16 HMMA.16816
+// with fp32 accumulation. Results stay exact-product / fp32-accumulate, but the query operand is
+// re-converted for every tile; warpgroup MMAs (wgmma, native e4m3) are the faster path.
+//
+// Dim permutation: a dot product does not depend on the order of its 128 terms, so the MMA's
+// logical K index need not be the memory dim, as long as A and B use the same map. We let thread
+// (group g = lane / 4, t = lane % 4) hold the 32 contiguous bytes [32 t, 32 t + 32) of its key rows
+// and of its query columns: 32-bit word 2 ks + half of that chunk feeds k-step ks, register half
+// (logical dims 32 ks + 16 half + 4 t + 0..3). Both operands load with 16-byte vector loads.
+// Shared-memory banks: key rows are 128 bytes apart (the copy engine cannot pad them), so the two
+// rows of one 8-lane phase of a 16-byte load would hit the same banks; lanes of odd g load their
+// two 16-byte halves in the opposite order (then swap registers), which makes the phase
+// conflict-free without changing any value.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "sm90/sm90_async.cuh"
+
+namespace jax_sparse_mla::indexer {
+
+inline constexpr int kHeadDim = 128;
+inline constexpr int kTileKeys = 64;                          // keys per tile = cache block size
+inline constexpr int kTileValueBytes = kTileKeys * kHeadDim;  // 8192
+inline constexpr int kPageBytes = kTileKeys * (kHeadDim + 4);  // 8448: values then fp32 scales
+// Ring of key tiles in shared memory. Decode is bandwidth-bound: with 8 stages a CTA keeps up to
+// 7 pages (58 KB) in flight, enough on its own to cover HBM latency at ~1/132 of the bandwidth.
+inline constexpr int kStages = 8;
+inline constexpr int kSmemBytes = kStages * kPageBytes + kStages * 8;  // stages + mbarriers
+
+struct PagedParams {
+  const uint8_t* q;             // [B, next_n, H, 128] e4m3
+  const uint8_t* cache;         // [num_blocks] pages of kPageBytes
+  const float* weights;         // [B * next_n, H]
+  const int32_t* context_lens;  // [B]
+  const int32_t* block_table;   // [B, table_width]
+  float* out;                   // [B * next_n, width]
+  int64_t num_blocks;           // >= 1
+  int table_width;              // table_width * 64 >= width
+  int width;                    // max_context_len
+  int tiles_per_cta;
+};
+
+struct RaggedParams {
+  const uint8_t* q;        // [M, H, 128] e4m3
+  const uint8_t* keys;     // [N, 128] e4m3
+  const float* key_scale;  // [N]
+  const float* weights;    // [M, H]
+  const int32_t* starts;   // [M]
+  const int32_t* ends;     // [M]
+  float* out;              // [M, N]
+  int num_rows;            // M
+  int num_keys;            // N
+  int tiles_per_cta;
+};
+
+// How a CTA's kRows query rows of kHeads heads split over warps.
+template <int kHeads_, int kRows_>
+struct Layout {
+  static constexpr int kHeads = kHeads_;
+  static constexpr int kRows = kRows_;
+  static constexpr int kCols = kHeads * kRows;                   // (row, head) pairs
+  static constexpr int kWarpCols = kCols < 64 ? kCols : 64;       // columns of one warp
+  static constexpr int kGroups = kCols / kWarpCols;               // groups of 4 warps
+  static constexpr int kThreads = 128 * kGroups;
+  static constexpr int kNTiles = kWarpCols / 8;                   // n8 MMA tiles per warp
+  static constexpr int kWarpRows = kWarpCols / kHeads;            // whole rows per warp
+  static_assert(kHeads % 8 == 0 && kWarpCols % kHeads == 0 && kCols % kWarpCols == 0);
+  static_assert(2 * kWarpRows <= 4, "a quad's 4 lanes store 2 keys x kWarpRows rows");
+};
+
+// ---- PTX wrappers -------------------------------------------------------------------------------
+
+using sm90::ArriveExpectBytes;
+using sm90::CopyBulk;
+using sm90::FenceBarrierInit;
+using sm90::InitBarrier;
+using sm90::SmemAddress;
+using sm90::WaitBarrier;
+
+// acc[16 keys x 8 cols] += a[16 x 32] * b[32 x 8], e4m3 inputs, fp32 accumulators.
+__device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float NegativeInfinity() { return __int_as_float(0xff800000); }
+
+// relu that keeps NaN (as jnp.maximum(x, 0) does; fmaxf would turn NaN into 0).
+__device__ __forceinline__ float Relu(float x) { return x < 0.0f ? 0.0f : x; }
+
+// ---- warp-level pieces shared by both kernels --------------------------------------------------
+
+// One thread's query columns for the whole CTA: B fragments (the 32-byte dim chunk of each of its
+// kNTiles columns) and the head weights of the two accumulator columns it holds per n8 tile.
+template <class L>
+struct QueryFragment {
+  uint32_t b[L::kNTiles][8];
+  float w[L::kNTiles][2];
+};
+
+// q_cta: the CTA's first query row ([kRows, H, 128] e4m3, contiguous), w_cta its weights
+// ([kRows, H]); rows >= valid_rows do not exist (ragged tail): zero query, zero weight.
+template <class L>
+__device__ __forceinline__ void LoadQuery(QueryFragment<L>& f, const uint8_t* q_cta,
+                                          const float* w_cta, int group, int lane,
+                                          int valid_rows) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < L::kNTiles; ++n) {
+    const int tile_col = group * L::kWarpCols + n * 8;  // an n8 tile lies within one row
+    const bool present = tile_col / L::kHeads < valid_rows;
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+    float2 w = make_float2(0.0f, 0.0f);
+    if (present) {
+      const uint8_t* column = q_cta + static_cast<int64_t>(tile_col + g) * kHeadDim + 32 * t;
+      lo = *reinterpret_cast<const uint4*>(column);
+      hi = *reinterpret_cast<const uint4*>(column + 16);
+      w = *reinterpret_cast<const float2*>(w_cta + tile_col + 2 * t);
+    }
+    f.b[n][0] = lo.x, f.b[n][1] = lo.y, f.b[n][2] = lo.z, f.b[n][3] = lo.w;
+    f.b[n][4] = hi.x, f.b[n][5] = hi.y, f.b[n][6] = hi.z, f.b[n][7] = hi.w;
+    f.w[n][0] = w.x, f.w[n][1] = w.y;
+  }
+}
+
+// Loads the 32-byte dim chunk of this thread for one key row of a tile in shared memory.
+__device__ __forceinline__ void LoadKeyChunk(uint32_t (&words)[8], const uint8_t* row, int t,
+                                             bool swap) {
+  const uint8_t* chunk = row + 32 * t;
+  // Odd groups load the upper half first: the two key rows of an 8-lane phase then use
+  // different banks (module comment). The registers end up the same either way.
+  // Plain loads (the compiler sees shared memory): ordered after the stage's barrier wait, whose
+  // asm clobbers memory.
+  const uint4 first = *reinterpret_cast<const uint4*>(chunk + (swap ? 16 : 0));
+  const uint4 second = *reinterpret_cast<const uint4*>(chunk + (swap ? 0 : 16));
+  const uint4 lo = swap ? second : first, hi = swap ? first : second;
+  words[0] = lo.x, words[1] = lo.y, words[2] = lo.z, words[3] = lo.w;
+  words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
+}
+
+// For keys k0 = 16 * mtile + lane / 4 and k0 + 8 of the tile at `tile` (64 rows of 128 e4m3
+// bytes in shared memory), the warp's head sums: lo[r] / hi[r] = sum over the heads of the warp's
+// row r of w * relu(q . k), complete in every lane of the quad.
+template <class L>
+__device__ __forceinline__ void TileHeadSums(const uint8_t* tile, int mtile, int lane,
+                                             const QueryFragment<L>& f, float (&lo)[L::kWarpRows],
+                                             float (&hi)[L::kWarpRows]) {
+  const int g = lane >> 2, t = lane & 3;
+  uint32_t a_lo[8], a_hi[8];  // key rows g and g + 8 of the m16 tile
+  const uint8_t* row = tile + (16 * mtile + g) * kHeadDim;
+  LoadKeyChunk(a_lo, row, t, (g & 1) != 0);
+  LoadKeyChunk(a_hi, row + 8 * kHeadDim, t, (g & 1) != 0);
+  float acc[L::kNTiles][4];
+#pragma unroll
+  for (int n = 0; n < L::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int n = 0; n < L::kNTiles; ++n) {
+      MmaE4m3(acc[n], a_lo[2 * ks], a_hi[2 * ks], a_lo[2 * ks + 1], a_hi[2 * ks + 1],
+              f.b[n][2 * ks], f.b[n][2 * ks + 1]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < L::kWarpRows; ++r) lo[r] = hi[r] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < L::kNTiles; ++n) {
+    // Accumulator layout: acc[0..1] = key g, columns 2t, 2t + 1 of the n8 tile; acc[2..3] = key
+    // g + 8, same columns.
+    const int r = n * 8 / L::kHeads;
+    lo[r] += f.w[n][0] * Relu(acc[n][0]) + f.w[n][1] * Relu(acc[n][1]);
+    hi[r] += f.w[n][0] * Relu(acc[n][2]) + f.w[n][1] * Relu(acc[n][3]);
+  }
+#pragma unroll
+  for (int r = 0; r < L::kWarpRows; ++r) {
+    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 1);
+    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 2);
+    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 1);
+    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 2);
+  }
+}
+
+// Lane t of a quad stores one of the quad's 2 x kWarpRows results: row t / 2 of the warp, key
+// g + 8 * (t % 2) of the m16 tile (lanes with t >= 2 * kWarpRows store nothing).
+template <class L>
+__device__ __forceinline__ float PickResult(const float (&lo)[L::kWarpRows],
+                                            const float (&hi)[L::kWarpRows], int t) {
+  float v = 0.0f;
+#pragma unroll
+  for (int r = 0; r < L::kWarpRows; ++r) {
+    if (t >> 1 == r) v = (t & 1) ? hi[r] : lo[r];
+  }
+  return v;
+}
+
+// ---- decode: paged logits -----------------------------------------------------------------------
+
+template <class L>
+__global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
+    PagedMqaLogitsKernel(const PagedParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int mtile = warp & 3, group = warp >> 2;
+  const int batch_index = blockIdx.y;
+  const int width = p.width;
+  const int num_tiles = (width + kTileKeys - 1) / kTileKeys;
+  const int t0 = blockIdx.x * p.tiles_per_cta;
+  const int t1 = min(t0 + p.tiles_per_cta, num_tiles);
+  const int length = p.context_lens[batch_index];
+  // Keys any row of the request sees: [0, min(L, width)); the pages of later tiles are never read.
+  const int seen = min(max(length, 0), width);
+  const int load_end = min(max((seen + kTileKeys - 1) / kTileKeys, t0), t1);
+  const int num_loads = load_end - t0;
+  const int first_row = batch_index * L::kRows;
+  float* out = p.out + static_cast<int64_t>(first_row) * width;
+
+  // Columns of unloaded tiles are outside every row's range.
+  const int fill_end = min(t1 * kTileKeys, width);
+  for (int r = 0; r < L::kRows; ++r) {
+    for (int s = load_end * kTileKeys + tid; s < fill_end; s += L::kThreads) {
+      out[static_cast<int64_t>(r) * width + s] = NegativeInfinity();
+    }
+  }
+  if (num_loads <= 0) return;
+
+  const int32_t* table = p.block_table + static_cast<int64_t>(batch_index) * p.table_width;
+  auto issue = [&](int stage, int tile) {
+    // Entries past a request's last block may hold anything; clamped as the pure-JAX path does
+    // (the keys they bring are outside every row's range).
+    const int64_t block = min(max(static_cast<int64_t>(table[tile]), int64_t{0}), p.num_blocks - 1);
+    ArriveExpectBytes(&full[stage], kPageBytes);
+    CopyBulk(smem + stage * kPageBytes, p.cache + block * kPageBytes, kPageBytes, &full[stage]);
+  };
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) InitBarrier(&full[s], 1);
+    FenceBarrierInit();
+    for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, t0 + s);
+  }
+
+  QueryFragment<L> f;
+  LoadQuery<L>(f, p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
+               p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane, L::kRows);
+  const int t = lane & 3;  // the lane's result (PickResult): warp row t / 2, key offset 8 (t % 2)
+  const bool stores = t < 2 * L::kWarpRows;
+  const int row = group * L::kWarpRows + (t >> 1);  // row j of the request
+  // Row j sees [0, L - next_n + j + 1).
+  const int limit = length - L::kRows + row + 1;
+  const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
+  __syncthreads();  // the barriers are initialised
+
+  for (int i = 0; i < num_loads; ++i) {
+    const int stage = i % kStages;
+    WaitBarrier(&full[stage], (i / kStages) & 1);
+    const uint8_t* page = smem + stage * kPageBytes;
+    float lo[L::kWarpRows], hi[L::kWarpRows];
+    TileHeadSums<L>(page, mtile, lane, f, lo, hi);
+    const float value = PickResult<L>(lo, hi, t);
+    const int key = (t0 + i) * kTileKeys + key_in_tile;
+    if (stores && key < width) {
+      const float scale = reinterpret_cast<const float*>(page + kTileValueBytes)[key_in_tile];
+      out[static_cast<int64_t>(row) * width + key] = key < limit ? value * scale
+                                                                 : NegativeInfinity();
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    if (tid == 0 && i + kStages < num_loads) issue(stage, t0 + i + kStages);
+  }
+}
+
+// ---- prefill: ragged logits ---------------------------------------------------------------------
+
+template <class L>
+__global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
+    RaggedMqaLogitsKernel(const RaggedParams p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int mtile = warp & 3, group = warp >> 2;
+  const int num_keys = p.num_keys;
+  const int first_row = blockIdx.x * L::kRows;
+  const int valid_rows = min(L::kRows, p.num_rows - first_row);
+  const int num_tiles = (num_keys + kTileKeys - 1) / kTileKeys;
+  const int t0 = blockIdx.y * p.tiles_per_cta;
+  const int t1 = min(t0 + p.tiles_per_cta, num_tiles);
+
+  // The union of the rows' ranges (cut to [0, N); empty ranges add nothing): only its tiles load.
+  int lo_key = num_keys, hi_key = 0;
+  for (int r = 0; r < valid_rows; ++r) {
+    const int s = min(max(p.starts[first_row + r], 0), num_keys);
+    const int e = min(max(p.ends[first_row + r], 0), num_keys);
+    if (s < e) lo_key = min(lo_key, s), hi_key = max(hi_key, e);
+  }
+  int load_begin = min(max(lo_key / kTileKeys, t0), t1);
+  int load_end = min(max((hi_key + kTileKeys - 1) / kTileKeys, t0), t1);
+  if (load_begin >= load_end) load_begin = load_end = t1;
+  const int num_loads = load_end - load_begin;
+  float* out = p.out + static_cast<int64_t>(first_row) * num_keys;
+
+  // Columns of the chunk outside the union are outside every row's range.
+  const int fill_end = min(t1 * kTileKeys, num_keys);
+  for (int r = 0; r < valid_rows; ++r) {
+    float* out_row = out + static_cast<int64_t>(r) * num_keys;
+    for (int s = t0 * kTileKeys + tid; s < load_begin * kTileKeys; s += L::kThreads) {
+      out_row[s] = NegativeInfinity();
+    }
+    for (int s = load_end * kTileKeys + tid; s < fill_end; s += L::kThreads) {
+      out_row[s] = NegativeInfinity();
+    }
+  }
+  if (num_loads <= 0) return;
+
+  auto issue = [&](int stage, int tile) {
+    // The last tile may be partial: only its keys are copied (rows past N hold stale bytes whose
+    // results are never stored; MMA rows do not mix).
+    const int keys = min(kTileKeys, num_keys - tile * kTileKeys);
+    const uint32_t bytes = static_cast<uint32_t>(keys) * kHeadDim;
+    ArriveExpectBytes(&full[stage], bytes);
+    CopyBulk(smem + stage * kPageBytes, p.keys + static_cast<int64_t>(tile) * kTileValueBytes,
+             bytes, &full[stage]);
+  };
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) InitBarrier(&full[s], 1);
+    FenceBarrierInit();
+    for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, load_begin + s);
+  }
+
+  QueryFragment<L> f;
+  LoadQuery<L>(f, p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
+               p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane, valid_rows);
+  const int t = lane & 3;  // the lane's result (PickResult): warp row t / 2, key offset 8 (t % 2)
+  const int row = group * L::kWarpRows + (t >> 1);  // row of the CTA
+  const bool stores = t < 2 * L::kWarpRows && row < valid_rows;
+  const int start = stores ? p.starts[first_row + row] : 0;
+  const int end = stores ? p.ends[first_row + row] : 0;
+  const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
+  __syncthreads();  // the barriers are initialised
+
+  for (int i = 0; i < num_loads; ++i) {
+    const int stage = i % kStages;
+    WaitBarrier(&full[stage], (i / kStages) & 1);
+    float lo[L::kWarpRows], hi[L::kWarpRows];
+    TileHeadSums<L>(smem + stage * kPageBytes, mtile, lane, f, lo, hi);
+    const float value = PickResult<L>(lo, hi, t);
+    const int key = (load_begin + i) * kTileKeys + key_in_tile;
+    if (stores && key < num_keys) {
+      out[static_cast<int64_t>(row) * num_keys + key] =
+          key >= start && key < end ? value * __ldg(p.key_scale + key) : NegativeInfinity();
+    }
+    __syncthreads();  // every warp is done with this stage before it is refilled
+    if (tid == 0 && i + kStages < num_loads) issue(stage, load_begin + i + kStages);
+  }
+}
+
+}  // namespace jax_sparse_mla::indexer

@@ -1,0 +1,124 @@
+// XLA FFI handlers of the lightning indexer's top-k (top_k_per_row, top_k_per_row_decode): one
+// launch of the kernel in indexer_topk.cuh, one CTA per row; no host synchronisation, no
+// allocation, no scratch.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "sm90/indexer_topk.cuh"
+#include "sm90/indexer_topk.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_sparse_mla::indexer_topk {
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+ffi::Error ArgumentError(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("sparse_mla sm90 ") + op + ": " + what);
+}
+
+// Checks the shapes shared by both ops and fills the common parameters; `op` names the op in
+// messages.
+ffi::Error CheckCommon(const char* op, const ffi::Buffer<ffi::F32>& logits,
+                       ffi::Result<ffi::Buffer<ffi::S32>>& out, TopKParams* params,
+                       int64_t* num_rows) {
+  const auto dims = logits.dimensions();
+  if (dims.size() != 2) return ArgumentError(op, "logits must be [R, S]");
+  const auto out_dims = out->dimensions();
+  if (out_dims.size() != 2 || out_dims[0] != dims[0]) {
+    return ArgumentError(op, "the result must be [R, k] for logits [R, S]");
+  }
+  // Rows index the grid's x dimension; positions, k and the row width are int32 in the kernel.
+  if (dims[0] > kInt32Max || dims[1] > kInt32Max || out_dims[1] > kInt32Max) {
+    return ArgumentError(op, "R, S and k must each be below 2^31");
+  }
+  *num_rows = dims[0];
+  params->logits = logits.typed_data();
+  params->out = out->typed_data();
+  params->row_starts = nullptr;
+  params->row_ends = nullptr;
+  params->context_lens = nullptr;
+  params->next_n = 1;
+  params->width = static_cast<int32_t>(dims[1]);
+  params->k = static_cast<int32_t>(out_dims[1]);
+  return ffi::Error::Success();
+}
+
+ffi::Error Launch(const char* op, const TopKParams& params, int64_t num_rows,
+                  cudaStream_t stream) {
+  if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
+  TopKPerRowKernel<<<static_cast<unsigned>(num_rows), kThreads, 0, stream>>>(params);
+  const cudaError_t status = cudaGetLastError();
+  if (status != cudaSuccess) {
+    return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op + " launch: " +
+                                cudaGetErrorString(status));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error TopKPerRow(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,  // [R, S]
+                      ffi::Buffer<ffi::S32> row_starts,                   // [R]
+                      ffi::Buffer<ffi::S32> row_ends,                     // [R]
+                      ffi::ResultBuffer<ffi::S32> out) {                  // [R, k]
+  constexpr const char* kOp = "top_k_per_row";
+  TopKParams params;
+  int64_t num_rows = 0;
+  if (ffi::Error error = CheckCommon(kOp, logits, out, &params, &num_rows); error.failure()) {
+    return error;
+  }
+  if (row_starts.dimensions().size() != 1 || row_starts.dimensions()[0] != num_rows ||
+      row_ends.dimensions().size() != 1 || row_ends.dimensions()[0] != num_rows) {
+    return ArgumentError(kOp, "row_starts and row_ends must be [R] for logits [R, S]");
+  }
+  params.row_starts = row_starts.typed_data();
+  params.row_ends = row_ends.typed_data();
+  return Launch(kOp, params, num_rows, stream);
+}
+
+ffi::Error TopKPerRowDecode(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,  // [B * next_n, S]
+                            ffi::Buffer<ffi::S32> context_lens,                 // [B]
+                            ffi::ResultBuffer<ffi::S32> out,                    // [B * next_n, k]
+                            int64_t next_n) {
+  constexpr const char* kOp = "top_k_per_row_decode";
+  TopKParams params;
+  int64_t num_rows = 0;
+  if (ffi::Error error = CheckCommon(kOp, logits, out, &params, &num_rows); error.failure()) {
+    return error;
+  }
+  if (next_n < 1 || next_n > kInt32Max) return ArgumentError(kOp, "next_n must be in [1, 2^31)");
+  if (context_lens.dimensions().size() != 1 || num_rows % next_n != 0 ||
+      context_lens.dimensions()[0] != num_rows / next_n) {
+    return ArgumentError(kOp, "context_lens must be [B] for logits [B * next_n, S]");
+  }
+  params.context_lens = context_lens.typed_data();
+  params.next_n = static_cast<int32_t>(next_n);
+  return Launch(kOp, params, num_rows, stream);
+}
+
+}  // namespace
+}  // namespace jax_sparse_mla::indexer_topk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRow,
+                              jax_sparse_mla::indexer_topk::TopKPerRow,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // logits
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_starts
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_ends
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // out
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecode,
+                              jax_sparse_mla::indexer_topk::TopKPerRowDecode,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // logits
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // context_lens
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // out
+                                  .Attr<int64_t>("next_n"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

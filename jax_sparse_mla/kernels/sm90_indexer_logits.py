@@ -1,0 +1,150 @@
+"""SM90 (H100 / H200) native kernels for the lightning indexer's fp8 MQA logits.
+
+Our own CUDA kernels (`ffi/sm90/indexer_logits.cuh`) behind XLA FFI custom calls, registered for the
+ops `fp8_paged_mqa_logits` (decode) and `fp8_mqa_logits` (prefill) of ops/indexer.py, with the same
+contract as their pure-JAX references: k_scale[s] * sum_h w[row, h] * relu(q[row, h] . k[s]) with
+fp32 accumulation inside each row's range and -inf everywhere else.
+
+  paged   one CTA per (request, chunk of `tiles_per_cta` 64-token cache blocks); every block is one
+          8448-byte page (values, then scales) brought by one bulk copy into an 8-stage ring;
+          columns past the request's length are written -inf without reading any key.
+  ragged  one CTA per (2 rows of 64 heads or 4 rows of 32, chunk of 64-key tiles); only the tiles
+          that meet the union of the rows' ranges are read.
+
+Both run tensor-core MMAs (mma.sync m16n8k32 e4m3, keys x query columns) with the query bytes and
+head weights in registers, the head sum in registers and shuffles, and fp32 stores straight to the
+output. next_n of 1 and 2 run natively; larger next_n is flattened here into next_n = 1 rows (each
+row its own length and a copy of its request's block-table row; keys are then read once per row).
+
+`validated=False`: the kernels have not run on a GPU yet, so implementation="auto" keeps the
+pure-JAX path and only implementation="native" runs them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import native, registry
+
+PAGED_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits"
+RAGGED_TARGET = "jax_sparse_mla_sm90_mqa_logits"
+# Must match ffi/sm90/indexer_logits.cuh / .cu.
+TILE_KEYS = 64
+MAX_TILES_PER_CTA = 16
+MAX_GRID_Y = 65535
+NATIVE_NEXT_N = (1, 2)
+HEADS = (32, 64)
+# Resident CTAs per SM the work split aims to fill (the 128-thread kernels fit 3).
+_CTAS_PER_SM = 3
+
+
+def _sm_count() -> int:
+    try:
+        return registry.device_sm_count()
+    except RuntimeError:  # no GPU device: only reached when tracing without one
+        return 132
+
+
+def tiles_per_cta(num_ctas_at_one_tile: int, num_tiles: int, sm_count: int) -> int:
+    """Tiles (64 keys) per CTA: up to MAX_TILES_PER_CTA (fewer query reloads), halved while the grid
+    (num_ctas_at_one_tile independent CTAs per tile chunk) would not fill _CTAS_PER_SM per SM;
+    at least 2 unless the rows have a single tile."""
+    tiles = MAX_TILES_PER_CTA
+    target = _CTAS_PER_SM * sm_count
+    while tiles > 2 and num_ctas_at_one_tile * -(-num_tiles // tiles) < target:
+        tiles //= 2
+    return max(1, min(tiles, num_tiles))
+
+
+def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_context_len):
+    """fp8_paged_mqa_logits' kernel contract (ops/indexer.py): q [B, next_n, H, 128] e4m3,
+    index_cache uint8 [num_blocks, 64, 132], weights [B * next_n, H] f32, context_lens [B] i32,
+    block_table [B, W] i32 -> [B * next_n, max_context_len] f32."""
+    batch, next_n, num_heads, dim = q.shape
+    rows = batch * next_n
+    if rows == 0 or index_cache.shape[0] == 0:
+        return jnp.full((rows, max_context_len), -jnp.inf, jnp.float32)
+    if next_n not in NATIVE_NEXT_N:
+        # Row j of request b as its own request of one token: length L_b - next_n + j + 1.
+        offsets = jnp.arange(next_n, dtype=jnp.int32) - (next_n - 1)
+        context_lens = (context_lens[:, None] + offsets[None, :]).reshape(rows)
+        block_table = jnp.repeat(block_table, next_n, axis=0)
+        q = q.reshape(rows, 1, num_heads, dim)
+        batch, next_n = rows, 1
+    num_tiles = -(-max_context_len // TILE_KEYS)
+    call = jax.ffi.ffi_call(
+        PAGED_TARGET, jax.ShapeDtypeStruct((rows, max_context_len), jnp.float32),
+        vmap_method="sequential")
+    return call(q, index_cache, weights, context_lens, block_table,
+                tiles_per_cta=np.int64(tiles_per_cta(batch, num_tiles, _sm_count())))
+
+
+def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends):
+    """fp8_mqa_logits' kernel contract: q [M, H, 128] e4m3, k_fp8 [N, 128] e4m3, k_scale [N] f32,
+    weights [M, H] f32, row_starts / row_ends [M] i32 -> [M, N] f32."""
+    num_rows, num_heads, _ = q.shape
+    num_keys = k_fp8.shape[0]
+    if num_rows == 0 or num_keys == 0:
+        return jnp.full((num_rows, num_keys), -jnp.inf, jnp.float32)
+    rows_per_cta = 128 // num_heads  # 128 query columns per CTA
+    num_tiles = -(-num_keys // TILE_KEYS)
+    tiles = tiles_per_cta(-(-num_rows // rows_per_cta), num_tiles, _sm_count())
+    tiles = max(tiles, -(-num_tiles // MAX_GRID_Y))  # at most 65535 key chunks (grid y)
+    call = jax.ffi.ffi_call(
+        RAGGED_TARGET, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),
+        vmap_method="sequential")
+    return call(q, k_fp8, k_scale, weights, row_starts, row_ends, tiles_per_cta=np.int64(tiles))
+
+
+def _common_reason(problem: registry.IndexerProblem, capability, target: str) -> str | None:
+    if not native.has_target(target):
+        return f"the extension has no {target} target"
+    if capability is not None and not native.built_for("sm90", capability):
+        return (f"the sm90 handlers hold no sm_{capability[0]}{capability[1]}a code "
+                f"(built for {native.build_info().get('sm90', 'nothing')})")
+    if problem.num_heads not in HEADS:
+        return f"needs H = 32 or 64 query heads, got {problem.num_heads}"
+    return None
+
+
+def check_paged(problem: registry.IndexerProblem, capability=None) -> str | None:
+    """Why the SM90 paged-logits kernel cannot run `problem` (None when it can)."""
+    reason = _common_reason(problem, capability, PAGED_TARGET)
+    if reason is not None:
+        return reason
+    if problem.block_size != TILE_KEYS:
+        return f"needs an index cache of block size 64, got {problem.block_size}"
+    expected = ("float8_e4m3fn", "uint8", "float32", "int32", "int32")
+    if problem.dtypes and tuple(problem.dtypes) != expected:
+        return f"needs dtypes {expected}, got {tuple(problem.dtypes)}"
+    # One grid row per request; next_n > 2 runs as B * next_n single-token requests.
+    requests = problem.batch if problem.next_n in NATIVE_NEXT_N else problem.num_rows
+    if requests > MAX_GRID_Y:
+        return (f"at most {MAX_GRID_Y} requests per call (B * next_n when next_n > 2), "
+                f"got {requests}")
+    return None
+
+
+def check_ragged(problem: registry.IndexerProblem, capability=None) -> str | None:
+    """Why the SM90 ragged-logits kernel cannot run `problem` (None when it can)."""
+    reason = _common_reason(problem, capability, RAGGED_TARGET)
+    if reason is not None:
+        return reason
+    expected = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
+    if problem.dtypes and tuple(problem.dtypes) != expected:
+        return f"needs dtypes {expected}, got {tuple(problem.dtypes)}"
+    if problem.num_rows >= 2 ** 31 or problem.num_keys >= 2 ** 31:
+        return "needs M and N below 2^31"
+    return None
+
+
+registry.register_op_kernel(registry.OpKernel(
+    op="fp8_paged_mqa_logits", name="sm90_mqa_logits", native=True, capability_majors=(9,),
+    fn=_paged_native, available=lambda: native.has_target(PAGED_TARGET), check=check_paged,
+    validated=False))
+registry.register_op_kernel(registry.OpKernel(
+    op="fp8_mqa_logits", name="sm90_mqa_logits", native=True, capability_majors=(9,),
+    fn=_ragged_native, available=lambda: native.has_target(RAGGED_TARGET), check=check_ragged,
+    validated=False))

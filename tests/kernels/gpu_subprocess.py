@@ -1,0 +1,90 @@
+"""Child processes of the GPU tests: compute-sanitizer runs and XLA command-buffer dumps.
+
+A child runs the way a user's script runs: from a temporary folder (not the checkout, whose
+jax_sparse_mla has no compiled extension), importing the installed package, with tests/kernels and
+tests/ on its path for the test modules, and without JAX's preallocation (the parent pytest process
+holds the GPU too).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run_script(args: list[str], *, xla_flags: str, cwd, timeout: int) -> subprocess.CompletedProcess:
+    path = [_HERE, os.path.dirname(_HERE), os.environ.get("PYTHONPATH", "")]
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=xla_flags,
+               PYTHONPATH=os.pathsep.join(p for p in path if p))
+    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_memcheck_clean(script: str, tmp_path) -> None:
+    """Runs `script` (which prints "MEMCHECK GRID PASSED" when its cases match) under
+    compute-sanitizer --tool memcheck as a plain script (pytest under the sanitizer crashes in the
+    interpreter) and asserts 0 errors."""
+    sanitizer = shutil.which("compute-sanitizer")
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer is not on PATH")
+    # No autotuning: under the sanitizer every candidate kernel XLA times would be instrumented too.
+    result = run_script([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
+                         "-c", script], xla_flags="--xla_gpu_autotune_level=0", cwd=tmp_path,
+                        timeout=900)
+    report = result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.returncode == 0, report
+    assert "MEMCHECK GRID PASSED" in result.stdout, report
+    assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr, report
+
+
+def run_with_command_buffers(script: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """Runs `script DUMP_DIR *args` with XLA forming command buffers around fusions and custom calls
+    (even single ones) and dumping its HLO and thunk sequences into DUMP_DIR."""
+    dump = tmp_path / "dump"
+    flags = (f"--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1 "
+             f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
+    result = run_script([sys.executable, "-c", script, str(dump), *args], xla_flags=flags,
+                        cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def custom_calls_in_command_buffers(dump_dir: str, targets) -> tuple[int, int, list[str]]:
+    """(custom-call thunks, those inside a command buffer, the first thunk lines) over the modules
+    of an XLA dump whose optimised HLO calls any of `targets`.
+
+    XLA forms command buffers on the thunk sequence after its HLO passes (CommandBufferConversionPass)
+    and dumps the result as *thunk_sequence_after_thunk_passes.txt, one thunk per line
+    ("<indent>NNN: kKind"), the thunks a command buffer holds indented below its kCommandBuffer line.
+    A custom call is captured when it has a kCommandBuffer ancestor (nested ones included: a loop
+    body gets command buffers of its own). Called in the child process that made the dump.
+    """
+    modules = {os.path.basename(path).split(".")[0]
+               for path in glob.glob(dump_dir + "/*after_optimizations.txt")
+               if any(target in open(path).read() for target in targets)}
+    custom_calls, captured, shown = 0, 0, []
+    for path in sorted(glob.glob(dump_dir + "/*thunk_sequence_after_thunk_passes.txt")):
+        if os.path.basename(path).split(".")[0] not in modules:
+            continue
+        stack = []
+        for line in open(path):
+            match = re.match(r"^( *)\d+: (k\w+)", line)
+            if not match:
+                continue
+            depth, kind = len(match.group(1)), match.group(2)
+            while stack and stack[-1][0] >= depth:
+                stack.pop()
+            if kind == "kCustomCall":
+                custom_calls += 1
+                captured += any(k == "kCommandBuffer" for _, k in stack)
+            stack.append((depth, kind))
+            if len(shown) < 40:
+                shown.append(line.rstrip())
+    return custom_calls, captured, shown

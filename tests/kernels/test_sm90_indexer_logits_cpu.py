@@ -1,0 +1,142 @@
+"""CPU tests of the SM90 indexer logits binding (kernels/sm90_indexer_logits.py): its problem
+checks, its work split, its registration (validated=False: "auto" keeps pure JAX, "native" on an
+SM90 device selects it) and, with the extension built, that both targets are registered as
+command-buffer compatible. The extension tests skip when it is not importable;
+JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import pytest
+
+import jax_sparse_mla as jsm
+from jax_sparse_mla.kernels import native, registry
+from jax_sparse_mla.kernels import sm90_indexer_logits as logits
+from jax_sparse_mla.kernels.registry import IndexerProblem
+
+TARGETS = {logits.PAGED_TARGET, logits.RAGGED_TARGET}
+PAGED_DTYPES = ("float8_e4m3fn", "uint8", "float32", "int32", "int32")
+RAGGED_DTYPES = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """Pretends the default device is an SM90 GPU and the extension holds the logits targets."""
+    monkeypatch.setattr(registry, "current_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(native, "targets", frozenset(TARGETS))
+    monkeypatch.setattr(native, "module", object())
+    monkeypatch.setattr(native, "build_info", lambda: {"sm90": "90a"})
+
+
+def paged(**override):
+    base = dict(num_rows=8, num_heads=64, num_keys=8192, batch=8, next_n=1, block_size=64,
+                dtypes=PAGED_DTYPES)
+    base.update(override)
+    return IndexerProblem("fp8_paged_mqa_logits", **base)
+
+
+def ragged(**override):
+    base = dict(num_rows=100, num_heads=64, num_keys=5000, dtypes=RAGGED_DTYPES)
+    base.update(override)
+    return IndexerProblem("fp8_mqa_logits", **base)
+
+
+@pytest.mark.parametrize("override", [
+    {}, dict(num_heads=32), dict(next_n=2, num_rows=16), dict(next_n=3, num_rows=24),
+    dict(batch=65535, num_rows=65535), dict(num_keys=1),
+])
+def test_paged_check_accepts(fake_sm90, override):
+    assert logits.check_paged(paged(**override), (9, 0)) is None
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(num_heads=16), "needs H = 32 or 64"),
+    (dict(num_heads=128), "needs H = 32 or 64"),
+    (dict(block_size=16), "block size 64"),
+    (dict(dtypes=("bfloat16",) + PAGED_DTYPES[1:]), "needs dtypes"),
+    (dict(batch=65536, num_rows=65536), "at most 65535 requests"),
+    (dict(batch=30000, next_n=3, num_rows=90000), "at most 65535 requests"),
+])
+def test_paged_check_rejects(fake_sm90, override, message):
+    assert message in logits.check_paged(paged(**override), (9, 0))
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(num_heads=48), "needs H = 32 or 64"),
+    (dict(dtypes=("float8_e4m3fn",) * 2 + ("bfloat16",) + RAGGED_DTYPES[3:]), "needs dtypes"),
+])
+def test_ragged_check_rejects(fake_sm90, override, message):
+    assert logits.check_ragged(ragged(), (9, 0)) is None
+    assert message in logits.check_ragged(ragged(**override), (9, 0))
+
+
+def test_check_names_a_missing_build(fake_sm90, monkeypatch):
+    monkeypatch.setattr(native, "build_info", lambda: {"sm90": "90a"})
+    assert "no sm_91a code" in logits.check_paged(paged(), (9, 1))
+    monkeypatch.setattr(native, "targets", frozenset())
+    assert "has no jax_sparse_mla_sm90_paged_mqa_logits" in logits.check_paged(paged(), (9, 0))
+
+
+@pytest.mark.parametrize("ctas,num_tiles", [(1, 2048), (1, 1), (1, 3), (128, 2048), (32, 128),
+                                            (1000, 5), (1, 10 ** 6)])
+def test_tiles_per_cta(ctas, num_tiles):
+    tiles = logits.tiles_per_cta(ctas, num_tiles, 132)
+    assert 1 <= tiles <= min(logits.MAX_TILES_PER_CTA, num_tiles)
+    chunks = -(-num_tiles // tiles)
+    # Halved only while the grid stays below 3 CTAs per SM, never below 2 tiles.
+    if tiles < logits.MAX_TILES_PER_CTA and tiles < num_tiles:
+        assert tiles == 2 or ctas * chunks >= 3 * 132 or ctas * -(-num_tiles // (2 * tiles)) < 396
+
+
+@pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
+                                        ("fp8_mqa_logits", ragged())])
+def test_auto_keeps_pure_jax_and_native_selects_it(fake_sm90, op, problem):
+    (kernel,) = [k for k in registry.registered_op_kernels(op) if k.native]
+    assert kernel.name == "sm90_mqa_logits" and not kernel.validated
+    assert kernel.capability_majors == (9,)
+    assert registry.select_op_kernel(op, "auto", problem).name == "xla"
+    assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits"
+    assert registry.select_op_kernel(op, "xla", problem).name == "xla"
+
+
+def test_native_explains_a_rejected_problem(fake_sm90):
+    with pytest.raises(ValueError, match="sm90_mqa_logits: needs H = 32 or 64"):
+        registry.select_op_kernel("fp8_mqa_logits", "native", ragged(num_heads=48))
+    with pytest.raises(ValueError, match="sm90_mqa_logits: needs an index cache of block size 64"):
+        registry.select_op_kernel("fp8_paged_mqa_logits", "native", paged(block_size=16))
+
+
+def test_public_op_builds_the_problem_the_check_sees(fake_sm90):
+    """Block size 16 rules the kernel out at trace time, before any custom call."""
+    q = jnp.zeros((2, 1, 64, 128), jnp.float8_e4m3fn)
+    cache = jnp.zeros((4, 16, 132), jnp.uint8)
+    with pytest.raises(ValueError, match="block size 64, got 16"):
+        jsm.fp8_paged_mqa_logits(q, cache, jnp.zeros((2, 64), jnp.float32),
+                                 jnp.zeros((2,), jnp.int32), jnp.zeros((2, 4), jnp.int32),
+                                 max_context_len=64, implementation="native")
+
+
+def test_without_gpu_auto_is_pure_jax():
+    assert registry.select_op_kernel("fp8_paged_mqa_logits", "auto", paged()).name == "xla"
+
+
+# --- the built extension --------------------------------------------------------------------------
+
+def _require_native():
+    if native.module is None:
+        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but {native.missing_reason()}")
+        pytest.skip(native.missing_reason())
+    return native.module
+
+
+def test_extension_registers_the_logits_targets_as_graph_safe():
+    module = _require_native()
+    if "sm90" not in module.build_info():
+        pytest.skip("the extension was built without the sm90 family")
+    assert TARGETS <= set(module.registrations())
+    assert TARGETS <= set(module.command_buffer_targets())
+    assert all(native.has_target(t) for t in TARGETS)
