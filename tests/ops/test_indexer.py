@@ -371,7 +371,8 @@ def test_a_registered_native_kernel_takes_over_where_it_fits(monkeypatch):
     def check(problem, capability):
         return None if problem.top_k == 2048 else f"k must be 2048, got {problem.top_k}"
 
-    kernels = {op: list(ks) for op, ks in registry._OP_KERNELS.items()}
+    # Only the pure-JAX kernels: the fake below must be the only native candidate.
+    kernels = {op: [k for k in ks if not k.native] for op, ks in registry._OP_KERNELS.items()}
     monkeypatch.setattr(registry, "_OP_KERNELS", kernels)
     registry.register_op_kernel(registry.OpKernel(op="top_k_per_row", name="sm90_test", native=True,
                                                   capability_majors=(9,), fn=fake_top_k, check=check))
@@ -398,7 +399,8 @@ def test_an_unvalidated_native_kernel_runs_only_when_asked_for(monkeypatch):
     def fake_top_k(logits, row_starts, row_ends, *, k):
         return jnp.full((logits.shape[0], k), -7, jnp.int32)
 
-    kernels = {op: list(ks) for op, ks in registry._OP_KERNELS.items()}
+    # Only the pure-JAX kernels: the fake below must be the only native candidate.
+    kernels = {op: [k for k in ks if not k.native] for op, ks in registry._OP_KERNELS.items()}
     monkeypatch.setattr(registry, "_OP_KERNELS", kernels)
     monkeypatch.setattr(registry, "current_device_capability", lambda: (9, 0))
     registry.register_op_kernel(registry.OpKernel(op="top_k_per_row", name="sm90_new", native=True,
