@@ -3,13 +3,12 @@ SM120 kernels, dispatch by compute capability, the index compaction in front of 
 the extension is built, its registrations, SHA-256 and cubin lookup (ffi/common/cubin_loader.cc).
 
 The extension tests skip when it is not importable; JAX_SPARSE_MLA_REQUIRE_NATIVE=1 (set by
-.ci/build_native.sh) turns that skip into a failure.
+.ci/run) turns that skip into a failure.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import native, registry, sm120, sm90_fp8
 from jax_sparse_mla.kernels import sm100_trtllm_gen as trtllm_gen
 from jax_sparse_mla.kernels.registry import Problem
+from requirements import require_native
 
 ALL_TARGETS = {
     "jax_sparse_mla_sm90_decode_bf16",
@@ -196,16 +196,8 @@ def test_scratch_sizes():
 
 # --- the built extension ---------------------------------------------------------------------------------
 
-def _require_native():
-    if native.module is None:
-        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but {native.missing_reason()}")
-        pytest.skip(native.missing_reason())
-    return native.module
-
-
 def test_extension_registers_every_handler():
-    module = _require_native()
+    module = require_native()
     assert set(module.registrations()) == ALL_TARGETS
     info = module.build_info()
     assert info["sm90"] == "90a"
@@ -216,13 +208,13 @@ def test_extension_registers_every_handler():
 
 def test_command_buffer_targets_are_the_graph_safe_handlers():
     # TRTLLM-gen may load a cubin module on its first call, which a CUDA graph capture must not do.
-    module = _require_native()
+    module = require_native()
     assert set(module.command_buffer_targets()) == ALL_TARGETS - {"jax_sparse_mla_trtllm_gen_decode"}
 
 
 @pytest.mark.parametrize("size", [0, 1, 55, 56, 63, 64, 65, 119, 120, 128, 1000, 100_000])
 def test_sha256_matches_hashlib(size):
-    module = _require_native()
+    module = require_native()
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     assert module.sha256_hex(data) == hashlib.sha256(data).hexdigest()
 
@@ -230,7 +222,7 @@ def test_sha256_matches_hashlib(size):
 @pytest.fixture
 def cubin_dirs(tmp_path, monkeypatch):
     """Three cubin folders: FLASHINFER_CUBIN_DIR, a registered package folder, the workspace cache."""
-    module = _require_native()
+    module = require_native()
     env_dir, package_dir, base = tmp_path / "env", tmp_path / "package", tmp_path / "base"
     cache_dir = base / ".cache" / "flashinfer" / "cubins"
     for d in (env_dir, package_dir, cache_dir):
@@ -308,7 +300,7 @@ def _plan_reference(tokens, heads, top_k, sm_count):
     (1, 128, 2048), (4, 8, 2048), (32, 16, 2048), (512, 128, 2048), (3, 100, 100), (64, 64, 512),
 ])
 def test_sm120_plan_matches_flashinfer(tokens, heads, top_k):
-    module = _require_native()
+    module = require_native()
     assert dict(module.sm120_plan(tokens, heads, top_k, 188)) == _plan_reference(tokens, heads, top_k, 188)
     with pytest.raises(ValueError, match="num_heads"):
         module.sm120_plan(1, 129, 2048, 188)

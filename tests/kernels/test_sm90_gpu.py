@@ -12,7 +12,6 @@ run under `compute-sanitizer --tool memcheck`.
 from __future__ import annotations
 
 import functools
-import os
 import textwrap
 
 import jax
@@ -22,9 +21,9 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import native, registry
 from gpu_subprocess import assert_memcheck_clean, run_with_command_buffers
 from reference import assert_native_matches
+from requirements import gpu_test_marks, sm90_skip_reason
 
 SCALE = 192 ** -0.5 * 1.2
 NUM_BLOCKS, BLOCK_SIZE = 1024, 64  # 65536 rows: 75 MB bf16, larger than L2
@@ -34,20 +33,10 @@ FP8_K_SCALE = 0.75
 
 @functools.cache
 def skip_reason() -> str:
-    if not native.available():
-        return native.missing_reason()
-    capability = registry.current_device_capability()
-    if capability is None:
-        return "needs a CUDA GPU (the default device is not one)"
-    if capability[0] != 9:
-        return f"needs an SM90 GPU, the device has compute capability {capability}"
-    return ""
+    return sm90_skip_reason()
 
 
-if skip_reason() and os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
-    raise RuntimeError(f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but the SM90 tests cannot run: {skip_reason()}")
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "-")]
+pytestmark = gpu_test_marks(skip_reason(), "the SM90 tests")
 
 
 @functools.cache

@@ -7,7 +7,6 @@ JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
 
 from __future__ import annotations
 
-import os
 
 import jax.numpy as jnp
 import pytest
@@ -16,6 +15,7 @@ import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import native, registry
 from jax_sparse_mla.kernels import sm90_indexer_logits as logits
 from jax_sparse_mla.kernels.registry import IndexerProblem
+from requirements import require_native
 
 TARGETS = {logits.PAGED_TARGET, logits.RAGGED_TARGET}
 PAGED_DTYPES = ("float8_e4m3fn", "uint8", "float32", "int32", "int32")
@@ -125,16 +125,8 @@ def test_without_gpu_auto_is_pure_jax():
 
 # --- the built extension --------------------------------------------------------------------------
 
-def _require_native():
-    if native.module is None:
-        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but {native.missing_reason()}")
-        pytest.skip(native.missing_reason())
-    return native.module
-
-
 def test_extension_registers_the_logits_targets_as_graph_safe():
-    module = _require_native()
+    module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")
     assert TARGETS <= set(module.registrations())

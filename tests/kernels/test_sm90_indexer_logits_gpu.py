@@ -21,7 +21,6 @@ compute-sanitizer --tool memcheck.
 from __future__ import annotations
 
 import functools
-import os
 import textwrap
 
 import jax
@@ -31,33 +30,17 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import native, registry, sm90_indexer_logits
+from jax_sparse_mla.kernels import sm90_indexer_logits
 from gpu_subprocess import assert_memcheck_clean
+from requirements import gpu_test_marks, sm90_skip_reason
 
 E4M3 = ml_dtypes.float8_e4m3fn
 BLOCK = 64
 PAGE = BLOCK * 132
 
 
-@functools.cache
-def skip_reason() -> str:
-    if not native.available():
-        return native.missing_reason()
-    if not native.has_target(sm90_indexer_logits.PAGED_TARGET):
-        return f"the extension has no {sm90_indexer_logits.PAGED_TARGET} target"
-    capability = registry.current_device_capability()
-    if capability is None:
-        return "needs a CUDA GPU (the default device is not one)"
-    if capability[0] != 9:
-        return f"needs an SM90 GPU, the device has compute capability {capability}"
-    return ""
-
-
-if skip_reason() and os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
-    raise RuntimeError(
-        f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but the SM90 tests cannot run: {skip_reason()}")
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "-")]
+SKIP_REASON = sm90_skip_reason(sm90_indexer_logits.PAGED_TARGET)
+pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 indexer-logits tests")
 
 
 def calc_diff(x: np.ndarray, y: np.ndarray) -> float:

@@ -10,7 +10,6 @@ into a failure.
 
 from __future__ import annotations
 
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ import pytest
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import native, registry, sm90_indexer_topk as topk
 from jax_sparse_mla.kernels.registry import IndexerProblem
+from requirements import require_native
 
 OPS = {"top_k_per_row": topk.TARGET, "top_k_per_row_decode": topk.TARGET_DECODE}
 
@@ -137,16 +137,8 @@ def test_empty_shapes_need_no_kernel(fake_sm90):
 
 # --- the built extension -------------------------------------------------------------------------
 
-def _require_native():
-    if native.module is None:
-        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
-            pytest.fail(f"JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but {native.missing_reason()}")
-        pytest.skip(native.missing_reason())
-    return native.module
-
-
 def test_extension_registers_both_targets_as_graph_safe():
-    module = _require_native()
+    module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")
     assert set(OPS.values()) <= set(module.registrations())

@@ -15,8 +15,6 @@ compiled extension; JAX_SPARSE_MLA_REQUIRE_GPU=1 turns that skip into a failure.
 
 from __future__ import annotations
 
-import functools
-import os
 import textwrap
 
 import jax
@@ -25,30 +23,13 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import native, registry, sm90_indexer_topk
+from jax_sparse_mla.kernels import registry, sm90_indexer_topk
 from gpu_subprocess import assert_memcheck_clean, run_with_command_buffers
+from requirements import gpu_test_marks, sm90_skip_reason
 
 
-@functools.cache
-def skip_reason() -> str:
-    if not native.available():
-        return native.missing_reason()
-    capability = registry.current_device_capability()
-    if capability is None:
-        return "needs a CUDA GPU (the default device is not one)"
-    if capability[0] != 9:
-        return f"needs an SM90 GPU, the device has compute capability {capability}"
-    for target in (sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE):
-        if not native.has_target(target):
-            return f"the extension was built without the target {target}"
-    return ""
-
-
-if skip_reason() and os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
-    raise RuntimeError(
-        f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but the SM90 top-k tests cannot run: {skip_reason()}")
-
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(bool(skip_reason()), reason=skip_reason() or "-")]
+SKIP_REASON = sm90_skip_reason(sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE)
+pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 top-k tests")
 
 NUM_CASES = 12
 

@@ -1,0 +1,45 @@
+"""What the native-kernel tests need, and how they skip (or fail) without it.
+
+JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns "the extension is not built" into a failure (CI, which builds
+it); JAX_SPARSE_MLA_REQUIRE_GPU=1 turns "no suitable GPU" into a failure (the GPU machine).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from jax_sparse_mla.kernels import native, registry
+
+
+def require_native():
+    """The extension module, or a skip (a failure under JAX_SPARSE_MLA_REQUIRE_NATIVE=1)."""
+    if native.module is None:
+        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but {native.missing_reason()}")
+        pytest.skip(native.missing_reason())
+    return native.module
+
+
+def sm90_skip_reason(*targets: str) -> str:
+    """"" when an SM90 GPU and an extension with `targets` are present, else why the tests skip."""
+    if not native.available():
+        return native.missing_reason()
+    capability = registry.current_device_capability()
+    if capability is None:
+        return "needs a CUDA GPU (the default device is not one)"
+    if capability[0] != 9:
+        return f"needs an SM90 GPU, the device has compute capability {capability}"
+    for target in targets:
+        if not native.has_target(target):
+            return f"the extension was built without the target {target}"
+    return ""
+
+
+def gpu_test_marks(reason: str, what: str) -> list:
+    """The `pytestmark` of a GPU test module that cannot run for `reason` ("" when it can); raises
+    under JAX_SPARSE_MLA_REQUIRE_GPU=1 instead of skipping."""
+    if reason and os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
+        raise RuntimeError(f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but {what} cannot run: {reason}")
+    return [pytest.mark.gpu, pytest.mark.skipif(bool(reason), reason=reason or "-")]
