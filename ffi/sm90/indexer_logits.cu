@@ -17,6 +17,9 @@ namespace ffi = xla::ffi;
 
 constexpr int64_t kMaxGridY = 65535;
 constexpr int64_t kMaxGridX = 2147483647;
+// The kernels index keys with int: (width + 63) / 64 tiles, t1 * 64 and `s += kThreads` in the -inf
+// fills must not overflow, so the key count keeps 1024 below 2^31.
+constexpr int64_t kMaxKeys = kMaxGridX - 1023;
 
 ffi::Error ArgumentError(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string("sparse_mla sm90 ") + op + ": " + what);
@@ -92,8 +95,9 @@ ffi::Error PagedMqaLogits(cudaStream_t stream,
     return ArgumentError(kOp, "out must be [B * next_n, max_context_len]");
   }
   const int64_t width = out_dims[1], num_blocks = cache_dims[0];
-  if (width > table_dims[1] * kTileKeys || width > kMaxGridX) {
-    return ArgumentError(kOp, "max_context_len must be at most block_table's width x 64");
+  if (width > table_dims[1] * kTileKeys || width > kMaxKeys) {
+    return ArgumentError(kOp, "max_context_len must be at most block_table's width x 64 and "
+                              "2^31 - 1024");
   }
   if (tiles_per_cta < 1 || tiles_per_cta > (int64_t{1} << 20)) {
     return ArgumentError(kOp, "tiles_per_cta must be in [1, 2^20]");
@@ -166,8 +170,8 @@ ffi::Error MqaLogits(cudaStream_t stream,
       out->dimensions()[1] != num_keys) {
     return ArgumentError(kOp, "out must be [M, N]");
   }
-  if (num_rows > kMaxGridX || num_keys > kMaxGridX) {
-    return ArgumentError(kOp, "M and N must be below 2^31");
+  if (num_rows > kMaxGridX || num_keys > kMaxKeys) {
+    return ArgumentError(kOp, "M must be below 2^31 and N at most 2^31 - 1024");
   }
   if (tiles_per_cta < 1 || tiles_per_cta > (int64_t{1} << 20)) {
     return ArgumentError(kOp, "tiles_per_cta must be in [1, 2^20]");

@@ -332,7 +332,9 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
   const int fill_end = min(t1 * kTileKeys, num_keys);
   for (int r = 0; r < valid_rows; ++r) {
     float* out_row = out + static_cast<int64_t>(r) * num_keys;
-    for (int s = t0 * kTileKeys + tid; s < load_begin * kTileKeys; s += L::kThreads) {
+    // Cut at fill_end too: with no tile to load, load_begin is t1, whose tile may be partial (the
+    // last chunk), and t1 * 64 would run past the row's end into the next row / past the buffer.
+    for (int s = t0 * kTileKeys + tid; s < min(load_begin * kTileKeys, fill_end); s += L::kThreads) {
       out_row[s] = NegativeInfinity();
     }
     for (int s = load_end * kTileKeys + tid; s < fill_end; s += L::kThreads) {

@@ -34,6 +34,8 @@ RAGGED_TARGET = "jax_sparse_mla_sm90_mqa_logits"
 TILE_KEYS = 64
 MAX_TILES_PER_CTA = 16
 MAX_GRID_Y = 65535
+# Keys per row (max_context_len, N): the kernels index keys with int32 (ffi/sm90/indexer_logits.cu).
+MAX_KEYS = 2**31 - 1024
 NATIVE_NEXT_N = (1, 2)
 HEADS = (32, 64)
 # Resident CTAs per SM the work split aims to fill (the 128-thread kernels fit 3).
@@ -121,6 +123,8 @@ def check_paged(problem: registry.IndexerProblem, capability=None) -> str | None
         return f"needs dtypes {expected}, got {tuple(problem.dtypes)}"
     # One grid row per request; next_n > 2 runs as B * next_n single-token requests.
     requests = problem.batch if problem.next_n in NATIVE_NEXT_N else problem.num_rows
+    if problem.num_keys > MAX_KEYS:
+        return f"max_context_len must be at most {MAX_KEYS}, got {problem.num_keys}"
     if requests > MAX_GRID_Y:
         return (f"at most {MAX_GRID_Y} requests per call (B * next_n when next_n > 2), "
                 f"got {requests}")
@@ -135,8 +139,8 @@ def check_ragged(problem: registry.IndexerProblem, capability=None) -> str | Non
     expected = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
     if problem.dtypes and tuple(problem.dtypes) != expected:
         return f"needs dtypes {expected}, got {tuple(problem.dtypes)}"
-    if problem.num_rows >= 2 ** 31 or problem.num_keys >= 2 ** 31:
-        return "needs M and N below 2^31"
+    if problem.num_rows >= 2 ** 31 or problem.num_keys > MAX_KEYS:
+        return f"needs M below 2^31 and N at most {MAX_KEYS}"
     return None
 
 
