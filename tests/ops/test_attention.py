@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from reference import BF16, E4M3, assert_close, attention_from_slots, pack_ds_mla, to_e4m3, unpack_ds_mla
+from reference import BF16, assert_close, attention_from_slots, pack_ds_mla, to_e4m3, unpack_ds_mla
 
 SCALE = 192 ** -0.5 * 1.3  # a model scale, deliberately not 576 ** -0.5
 
