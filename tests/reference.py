@@ -179,11 +179,14 @@ def top_k_np(values, start, end, k):
     ascending) over positions [start, end), keep min(k, len), return them relative to start in
     ascending order, padded with -1 to k."""
     values = np.asarray(values, np.float64)
-    positions = list(range(max(start, 0), min(end, len(values))))
-    ranked = sorted(positions, key=lambda p: (bool(np.isnan(values[p])),
-                                              0.0 if np.isnan(values[p]) else -values[p], p))
-    kept = sorted(ranked[:k])
-    return np.array([p - start for p in kept] + [-1] * (k - len(kept)), np.int64)
+    positions = np.arange(max(start, 0), min(end, len(values)), dtype=np.int64)
+    row = values[positions]
+    nan = np.isnan(row)
+    # np.lexsort sorts by its last key first; -0.0 and +0.0 compare equal, so their tie goes to the
+    # position.
+    ranked = positions[np.lexsort((positions, -np.where(nan, 0.0, row), nan))]
+    kept = np.sort(ranked[:k])
+    return np.concatenate([kept - start, np.full(k - len(kept), -1, np.int64)])
 
 
 def yarn_frequencies_np(dim, base, factor, original_max_positions, beta_fast, beta_slow):

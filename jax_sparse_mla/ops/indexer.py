@@ -333,9 +333,11 @@ def _order_keys(logits: jax.Array) -> jax.Array:
 def _top_k_rows(logits, starts, ends, *, k):
     """The k best positions of logits[r, starts[r]:ends[r]], relative to starts[r], ascending, -1-padded.
 
-    A radix select: the k-th best key of each row is found bit by bit from the top (32 counting passes,
-    no sort), the row's positions are then kept in order: every key above that threshold, and of the
-    keys equal to it the lowest positions until k are kept.
+    One `jax.lax.top_k` over int32 keys that order as `_order_keys` does (positions outside the row
+    get the smallest key), then a sort of the k chosen positions. The tie rule needs no extra pass:
+    lax.top_k's contract is that of equal elements the lower index comes first, on every backend, so
+    its k results are the k best keys with ties to the lower position; a row of fewer than k
+    positions has its out-of-row fillers, which rank last, masked to -1.
     """
     num_rows, width = logits.shape
     if num_rows == 0 or width == 0:
@@ -344,25 +346,16 @@ def _top_k_rows(logits, starts, ends, *, k):
     ends = jnp.clip(ends, starts, width)
     position = jnp.arange(width, dtype=jnp.int32)[None, :]
     in_row = (position >= starts[:, None]) & (position < ends[:, None])
-    key = jnp.where(in_row, _order_keys(logits), jnp.uint32(0))
-    want = jnp.minimum(ends - starts, k)
-
-    def refine(bit, threshold):
-        # threshold ends as the largest t with #(key >= t) >= want: the want-th best key of the row
-        # (all ones, selecting nothing, when want = 0).
-        candidate = threshold | jnp.left_shift(jnp.uint32(1), (31 - bit).astype(jnp.uint32))
-        enough = jnp.sum(key >= candidate[:, None], axis=1, dtype=jnp.int32) >= want
-        return jnp.where(enough, candidate, threshold)
-
-    threshold = jax.lax.fori_loop(0, 32, refine, jnp.zeros((num_rows,), jnp.uint32))[:, None]
-    above = key > threshold
-    tied = key == threshold
-    room = want - jnp.sum(above, axis=1, dtype=jnp.int32)
-    chosen = above | (tied & (jnp.cumsum(tied, axis=1, dtype=jnp.int32) <= room[:, None]))
-    slot = jnp.where(chosen, jnp.cumsum(chosen, axis=1, dtype=jnp.int32) - 1, k)
-    rows = jnp.arange(num_rows, dtype=jnp.int32)[:, None]
-    return jnp.full((num_rows, k), -1, jnp.int32).at[rows, slot].set(
-        jnp.broadcast_to(position - starts[:, None], slot.shape), mode="drop")
+    # uint32 key (0 = outside the row) -> int32 of the same order: flip the sign bit.
+    key = jnp.where(in_row, _order_keys(logits), jnp.uint32(0)) ^ jnp.uint32(0x80000000)
+    key = jax.lax.bitcast_convert_type(key, jnp.int32)
+    outside = jnp.iinfo(jnp.int32).min
+    if width < k:
+        key = jnp.pad(key, ((0, 0), (0, k - width)), constant_values=outside)
+    best, chosen = jax.lax.top_k(key, k)
+    # Relative positions in ascending order; fillers sort last as `width` and become -1.
+    chosen = jnp.sort(jnp.where(best == outside, width, chosen - starts[:, None]), axis=1)
+    return jnp.where(chosen >= width, -1, chosen)
 
 
 @functools.partial(jax.jit, static_argnames=("next_n", "k"))

@@ -27,21 +27,26 @@ def run_script(args: list[str], *, xla_flags: str, cwd, timeout: int) -> subproc
     return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 
-def assert_memcheck_clean(script: str, tmp_path) -> None:
+# What each compute-sanitizer tool prints when it found nothing.
+_CLEAN_SUMMARY = {"memcheck": "ERROR SUMMARY: 0 errors",
+                  "racecheck": "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"}
+
+
+def assert_sanitizer_clean(script: str, tmp_path, tool: str = "memcheck") -> None:
     """Runs `script` (which prints "MEMCHECK GRID PASSED" when its cases match) under
-    compute-sanitizer --tool memcheck as a plain script (pytest under the sanitizer crashes in the
-    interpreter) and asserts 0 errors."""
+    compute-sanitizer --tool `tool` (memcheck or racecheck) as a plain script (pytest under the
+    sanitizer crashes in the interpreter) and asserts that the tool reports nothing."""
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not on PATH")
     # No autotuning: under the sanitizer every candidate kernel XLA times would be instrumented too.
-    result = run_script([sanitizer, "--tool", "memcheck", "--error-exitcode", "3", sys.executable,
+    result = run_script([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable,
                          "-c", script], xla_flags="--xla_gpu_autotune_level=0", cwd=tmp_path,
                         timeout=900)
     report = result.stdout[-3000:] + result.stderr[-3000:]
     assert result.returncode == 0, report
     assert "MEMCHECK GRID PASSED" in result.stdout, report
-    assert "ERROR SUMMARY: 0 errors" in result.stdout + result.stderr, report
+    assert _CLEAN_SUMMARY[tool] in result.stdout + result.stderr, report
 
 
 def run_with_command_buffers(script: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from gpu_subprocess import assert_memcheck_clean, run_with_command_buffers
+from gpu_subprocess import assert_sanitizer_clean, run_with_command_buffers
 from reference import assert_native_matches
 from requirements import gpu_test_marks, sm90_skip_reason
 
@@ -153,7 +153,7 @@ MEMCHECK_SCRIPT = textwrap.dedent("""
 def test_memcheck_clean(tmp_path):
     """The small grid under compute-sanitizer --tool memcheck: every case matches and the sanitizer
     reports 0 errors."""
-    assert_memcheck_clean(MEMCHECK_SCRIPT, tmp_path)
+    assert_sanitizer_clean(MEMCHECK_SCRIPT, tmp_path)
 
 
 def test_fp8_query_and_scales():

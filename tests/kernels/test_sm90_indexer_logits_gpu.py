@@ -14,8 +14,8 @@ Poison: cache tokens past each request's length (the rest of its last block) and
 hold e4m3 NaN values and NaN scales, and block-table entries past each context are junk (negative,
 past the cache, or other requests' blocks), so any read of a masked position would show as NaN or
 a wrong mask. Skipped without an SM90 GPU or without the compiled extension;
-JAX_SPARSE_MLA_REQUIRE_GPU=1 makes that a failure. `test_memcheck_clean` runs a small grid under
-compute-sanitizer --tool memcheck.
+JAX_SPARSE_MLA_REQUIRE_GPU=1 makes that a failure. `test_sanitizer_clean` runs a small grid under
+compute-sanitizer memcheck and racecheck.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import sm90_indexer_logits
-from gpu_subprocess import assert_memcheck_clean
+from gpu_subprocess import assert_sanitizer_clean
 from requirements import gpu_test_marks, sm90_skip_reason
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -326,7 +326,8 @@ MEMCHECK_PAGED = [(3, 2, 64, [0, 1, 130], 192), (4, 1, 32, [64, 65, 3, 256], 256
 MEMCHECK_RAGGED = [(5, 70, 64, "random"), (9, 300, 32, "causal")]
 
 
-def test_memcheck_clean(tmp_path):
-    """A small grid under compute-sanitizer --tool memcheck: every case matches and the sanitizer
-    reports 0 errors."""
-    assert_memcheck_clean(MEMCHECK_SCRIPT, tmp_path)
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizer_clean(tool, tmp_path):
+    """A small grid under compute-sanitizer (memcheck: out-of-bounds and misaligned accesses;
+    racecheck: shared-memory hazards): every case matches and the tool reports nothing."""
+    assert_sanitizer_clean(MEMCHECK_SCRIPT, tmp_path, tool)

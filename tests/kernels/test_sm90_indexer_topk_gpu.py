@@ -8,8 +8,8 @@ then -1). The data cycles through the hard cases of the rule row by row (heavy t
 "10LSBits" rows, all-equal rows, NaN rows and scattered NaN, -inf, +inf, signed zeros, subnormals)
 and the ranges through full rows, non-zero and unaligned starts, empty and reversed ranges, rows of
 exactly k and k + 1 positions and rows shorter than k. Widths go up to 131072, batches from 1 to
-256. The `memcheck` case runs a small grid under compute-sanitizer; the command-buffer case runs
-the kernels inside XLA command buffers (CUDA graphs). Skipped without an SM90 GPU or without the
+256. The sanitizer cases run a small grid under compute-sanitizer memcheck and racecheck; the
+command-buffer case runs the kernels inside XLA command buffers (CUDA graphs). Skipped without an SM90 GPU or without the
 compiled extension; JAX_SPARSE_MLA_REQUIRE_GPU=1 turns that skip into a failure.
 """
 
@@ -24,7 +24,8 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import registry, sm90_indexer_topk
-from gpu_subprocess import assert_memcheck_clean, run_with_command_buffers
+from gpu_subprocess import assert_sanitizer_clean, run_with_command_buffers
+from reference import top_k_np
 from requirements import gpu_test_marks, sm90_skip_reason
 
 
@@ -122,23 +123,40 @@ def assert_identical(native_out, reference, shape):
             f"{native_out[r, cols].tolist()} vs reference {reference[r, cols].tolist()}")
 
 
-def check_rows(num_rows: int, width: int, k: int, *, seed: int = 0, jit: bool = True):
+def numpy_rows(logits, starts, ends, k: int) -> np.ndarray:
+    """The float64 NumPy rule (tests/reference.py), row by row: the reference the memcheck grid uses,
+    so that no pure-JAX kernel runs under the sanitizer."""
+    return np.stack([top_k_np(row, s, e, k) for row, s, e in zip(np.asarray(logits), starts, ends)])
+
+
+def check_rows(num_rows: int, width: int, k: int, *, seed: int = 0, jit: bool = True,
+               numpy_reference: bool = False):
     rng = np.random.default_rng(seed + 31 * num_rows + width + k)
     logits = jnp.asarray(hard_rows(rng, num_rows, width))
-    starts, ends = (jnp.asarray(a) for a in hard_ranges(rng, num_rows, width, k))
+    starts, ends = hard_ranges(rng, num_rows, width, k)
     fn = _top_k if jit else jsm.top_k_per_row
-    native_out = fn(logits, starts, ends, k=k, implementation="native")
-    reference = fn(logits, starts, ends, k=k, implementation="xla")
+    native_out = fn(logits, jnp.asarray(starts), jnp.asarray(ends), k=k, implementation="native")
+    if numpy_reference:
+        reference = numpy_rows(logits, starts, ends, k)
+    else:
+        reference = fn(logits, jnp.asarray(starts), jnp.asarray(ends), k=k, implementation="xla")
     assert_identical(native_out, reference, (num_rows, k))
 
 
-def check_decode(context_lens, width: int, next_n: int, k: int, *, seed: int = 0):
+def check_decode(context_lens, width: int, next_n: int, k: int, *, seed: int = 0,
+                 numpy_reference: bool = False):
     context_lens = np.asarray(context_lens, np.int32)
     rng = np.random.default_rng(seed + width + next_n + k + len(context_lens))
     logits = jnp.asarray(hard_rows(rng, len(context_lens) * next_n, width))
     lens = jnp.asarray(context_lens)
     native_out = _top_k_decode(logits, lens, next_n=next_n, k=k, implementation="native")
-    reference = _top_k_decode(logits, lens, next_n=next_n, k=k, implementation="xla")
+    if numpy_reference:
+        # Row b * next_n + j ranges over [0, L_b - next_n + j + 1), in int32 as the op computes it.
+        ends = (np.repeat(context_lens, next_n) - next_n + 1
+                + np.tile(np.arange(next_n, dtype=np.int32), len(context_lens)))
+        reference = numpy_rows(logits, np.zeros_like(ends), ends, k)
+    else:
+        reference = _top_k_decode(logits, lens, next_n=next_n, k=k, implementation="xla")
     assert_identical(native_out, reference, (len(context_lens) * next_n, k))
 
 
@@ -164,6 +182,19 @@ def test_top_k_per_row_matches_pure_jax(num_rows, width, k):
 
 def test_top_k_per_row_large_batch_long_rows():
     check_rows(256, 131072, 2048, seed=1)
+
+
+@pytest.mark.parametrize("num_rows,width", [(24, 131072), (48, 8192), (12, 3001)])
+def test_pure_jax_matches_numpy_on_this_gpu(num_rows, width):
+    """The pure-JAX op (lax.top_k over order keys, whose ties go to the lower index) on the GPU's own
+    XLA top-k: the NumPy rule's array, every hard case, so the reference the other tests use is
+    itself checked here."""
+    rng = np.random.default_rng(num_rows + width)
+    logits = hard_rows(rng, num_rows, width)
+    starts, ends = hard_ranges(rng, num_rows, width, 2048)
+    out = _top_k(jnp.asarray(logits), jnp.asarray(starts), jnp.asarray(ends), k=2048,
+                 implementation="xla")
+    assert_identical(out, numpy_rows(logits, starts, ends, 2048), (num_rows, 2048))
 
 
 def test_eager_calls_match():
@@ -213,16 +244,17 @@ MEMCHECK_GRID = [(5, 3001, 64), (13, 20001, 2048), (12, 100, 2048)]
 MEMCHECK_SCRIPT = textwrap.dedent("""
     import test_sm90_indexer_topk_gpu as cases
     for shape in cases.MEMCHECK_GRID:
-        cases.check_rows(*shape)
-    cases.check_decode([0, 1, 3000, 2049, -3], 3001, 2, 2048)
+        cases.check_rows(*shape, numpy_reference=True)
+    cases.check_decode([0, 1, 3000, 2049, -3], 3001, 2, 2048, numpy_reference=True)
     print("MEMCHECK GRID PASSED")
 """)
 
 
-def test_memcheck_clean(tmp_path):
-    """A small grid under compute-sanitizer --tool memcheck: every case matches and the sanitizer
-    reports 0 errors."""
-    assert_memcheck_clean(MEMCHECK_SCRIPT, tmp_path)
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizer_clean(tool, tmp_path):
+    """A small grid under compute-sanitizer (memcheck: out-of-bounds and misaligned accesses;
+    racecheck: shared-memory hazards): every case matches and the tool reports nothing."""
+    assert_sanitizer_clean(MEMCHECK_SCRIPT, tmp_path, tool)
 
 
 COMMAND_BUFFER_SCRIPT = textwrap.dedent("""

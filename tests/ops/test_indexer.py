@@ -204,6 +204,20 @@ def test_top_k_2048_over_thousands_of_positions():
                                                  for r in range(4)]))
 
 
+def test_top_k_wide_rows_with_heavy_ties():
+    """Rows of 65536 positions in every hard case (ties on a few values, NaN, -inf, signed zeros,
+    subnormals), full and partial ranges, k = 2048: the same array as the NumPy rule."""
+    rng = np.random.default_rng(65536)
+    num_rows, width = 18, 65536
+    logits = hard_rows(rng, num_rows, width)
+    starts = np.where(np.arange(num_rows) % 2 == 0, 0, rng.integers(1, 9, num_rows)).astype(np.int32)
+    ends = np.where(np.arange(num_rows) % 3 == 0, width,
+                    rng.integers(2000, width, num_rows)).astype(np.int32)
+    out = np.asarray(jsm.top_k_per_row(logits, starts, ends, k=2048))
+    np.testing.assert_array_equal(out, np.stack([top_k_np(logits[r], starts[r], ends[r], 2048)
+                                                 for r in range(num_rows)]))
+
+
 def test_top_k_ignores_what_lies_outside_the_range():
     """Values outside a row's range (vLLM's uninitialised logits) never change the result."""
     rng = np.random.default_rng(5)
@@ -346,7 +360,8 @@ OPS = ["indexer_k_quant_and_cache", "cp_gather_indexer_k_quant_cache", "fp8_page
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_every_op_is_registered_with_its_pure_jax_kernel(op):
+def test_every_op_is_registered_with_its_pure_jax_kernel(op, monkeypatch):
+    monkeypatch.setattr(registry, "current_device_capability", lambda: None)  # as on a CPU or TPU
     kernels = registry.registered_op_kernels(op)
     assert [k.name for k in kernels if not k.native] == ["xla"]
     assert registry.select_op_kernel(op, "auto").name == "xla"
@@ -356,7 +371,7 @@ def test_every_op_is_registered_with_its_pure_jax_kernel(op):
     if not natives:
         with pytest.raises(ValueError, match=none_fits + "no native kernel is registered"):
             registry.select_op_kernel(op, "native")
-    elif registry.current_device_capability() is None:  # a native kernel (e.g. sm90_topk), no GPU
+    else:  # a native kernel (e.g. sm90_topk), no GPU
         with pytest.raises(ValueError, match=none_fits + f"{natives[-1]}: the default device is not"):
             registry.select_op_kernel(op, "native")
 
@@ -376,6 +391,7 @@ def test_a_registered_native_kernel_takes_over_where_it_fits(monkeypatch):
     monkeypatch.setattr(registry, "_OP_KERNELS", kernels)
     registry.register_op_kernel(registry.OpKernel(op="top_k_per_row", name="sm90_test", native=True,
                                                   capability_majors=(9,), fn=fake_top_k, check=check))
+    monkeypatch.setattr(registry, "current_device_capability", lambda: None)  # as on a CPU or TPU
     logits = jnp.zeros((2, 3000), jnp.float32)
     starts, ends = jnp.zeros(2, jnp.int32), jnp.full(2, 3000, jnp.int32)
     with pytest.raises(ValueError, match="sm90_test: the default device is not a CUDA GPU"):
