@@ -1,6 +1,5 @@
 """CPU tests of the SM90 indexer logits binding (kernels/sm90_indexer_logits.py): its problem
-checks, its work split, its registration (validated=False: "auto" keeps pure JAX, "native" on an
-SM90 device selects it) and, with the extension built, that both targets are registered as
+checks, its work split, its registration ("auto" and "native" on an SM90 device select it) and, with the extension built, that both targets are registered as
 command-buffer compatible. The extension tests skip when it is not importable;
 JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
 """
@@ -93,11 +92,11 @@ def test_tiles_per_cta(ctas, num_tiles):
 
 @pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
                                         ("fp8_mqa_logits", ragged())])
-def test_auto_keeps_pure_jax_and_native_selects_it(fake_sm90, op, problem):
+def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
     (kernel,) = [k for k in registry.registered_op_kernels(op) if k.native]
-    assert kernel.name == "sm90_mqa_logits" and not kernel.validated
+    assert kernel.name == "sm90_mqa_logits" and kernel.validated
     assert kernel.capability_majors == (9,)
-    assert registry.select_op_kernel(op, "auto", problem).name == "xla"
+    assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
     assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits"
     assert registry.select_op_kernel(op, "xla", problem).name == "xla"
 
@@ -119,7 +118,8 @@ def test_public_op_builds_the_problem_the_check_sees(fake_sm90):
                                  max_context_len=64, implementation="native")
 
 
-def test_without_gpu_auto_is_pure_jax():
+def test_without_gpu_auto_is_pure_jax(monkeypatch):
+    monkeypatch.setattr(registry, "current_device_capability", lambda: None)  # as on a CPU or TPU
     assert registry.select_op_kernel("fp8_paged_mqa_logits", "auto", paged()).name == "xla"
 
 

@@ -1,5 +1,5 @@
 """CPU tests of the SM90 indexer top-k binding (kernels/sm90_indexer_topk.py): its registration
-(validated=False: "auto" keeps pure JAX, "native" runs it on SM90), its `check`, the custom calls it
+("auto" and "native" run it on SM90), its `check`, the custom calls it
 lowers to on a faked SM90 device, and, with the extension built, that both FFI targets are
 registered and command-buffer compatible. The kernels themselves run in
 test_sm90_indexer_topk_gpu.py.
@@ -47,11 +47,11 @@ def fake_sm90(monkeypatch):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_registered_native_and_not_yet_validated(op):
+def test_registered_native_and_validated(op):
     ours = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk"]
     assert len(ours) == 1
     kernel = ours[0]
-    assert kernel.native and kernel.capability_majors == (9,) and not kernel.validated
+    assert kernel.native and kernel.capability_majors == (9,) and kernel.validated
     assert kernel.check is topk.check_problem
 
 
@@ -84,9 +84,9 @@ def test_check_names_a_build_without_sm90_code(monkeypatch):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_auto_keeps_pure_jax_and_native_selects_it(fake_sm90, op):
+def test_auto_and_native_select_it_on_sm90(fake_sm90, op):
     fake_sm90()
-    assert registry.select_op_kernel(op, "auto", problem(op)).name == "xla"
+    assert registry.select_op_kernel(op, "auto", problem(op)).name == "sm90_topk"
     assert registry.select_op_kernel(op, "native", problem(op)).name == "sm90_topk"
     assert registry.select_op_kernel(op, "xla", problem(op)).name == "xla"
 
