@@ -39,7 +39,8 @@ class DecoderBlock(nnx.Module):
         norm = lambda: nnx.RMSNorm(d, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
         self.attn_norm, self.mlp_norm = norm(), norm()
         self.attn = MLASparseAttention(config, rngs=rngs, kv_cache_dtype=kv_cache_dtype,
-                                       implementation=implementation)
+                                       implementation=implementation,
+                                       indexer_implementation=implementation)
         self.mlp_in = nnx.Linear(d, d, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
         self.mlp_out = nnx.Linear(d, d, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
 
@@ -180,7 +181,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
                         help="attention cache: bf16, fp8 e4m3 with a per-tensor scale, or vLLM's "
                              "fp8_ds_mla rows (656 bytes: fp8 latent with tile scales + bf16 RoPE)")
-    parser.add_argument("--implementation", choices=["auto", "xla", "native"], default="auto")
+    parser.add_argument("--implementation", choices=["auto", "xla", "native"], default="auto",
+                        help="kernels of the sparse attention and of the indexer (xla: all pure JAX)")
     parser.add_argument("--check-tokens", type=int, default=8, help="tokens checked against dense attention")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
