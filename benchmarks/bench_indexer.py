@@ -1,24 +1,33 @@
-"""The lightning indexer's decode path on an SM90 GPU: logits, top-k and the whole select per layer.
+"""The lightning indexer on an SM90 GPU: decode (paged logits, top-k, the whole select of a layer) and
+prefill (ragged logits over a chunk of query rows, their top-k), beside pure JAX and torch.
 
 Run: python benchmarks/bench_indexer.py [--out benchmarks/results] [--batch 1 32 128]
-     [--context 8192 65536 131072] [--backends native xla torch] [--smoke]
+     [--context 8192 65536 131072] [--prefill-keys 8192 65536 131072] [--backends native xla torch]
+     [--smoke]
 
-For B in {1, 32, 128} x context L in {8192, 65536, 131072} (every request of length L, next_n = 1,
-H = 64, k = 2048), per backend:
+Decode, for B in {1, 32, 128} x context L in {8192, 65536, 131072} (every request of length L,
+next_n = 1, H = 64, k = 2048):
   logits  fp8_paged_mqa_logits(..., max_context_len=L): "native" (implementation="native", the SM90
-          kernel of ffi/sm90/indexer_logits.cuh) and "xla" (pure JAX)
-  topk    top_k_per_row_decode on those logits: "native", "xla", and "torch" (torch.topk on the same
-          scores, only when torch is importable)
+          kernel) and "xla" (pure JAX)
+  topk    top_k_per_row_decode on those logits: "native", "xla", "lax_top_k" (jax.lax.top_k(logits,
+          2048) alone, the bound the pure-JAX op is held to) and "torch" (torch.topk(logits, 2048))
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "xla"
-GB/s counts the fp8 key bytes the logits read, 132 per cached token (B * L * 132), for every op, so
-the numbers compare with the copy roofline `peak_gbps` of the same run: a 4 GiB device-to-device
-copy timed the same way (bytes read + written).
-Timing: per-call device time in steady state, as in bench_sm90.py: jitted functions making n1 and
-n2 unrolled calls (each on its own query / logits array, so that XLA cannot merge them); the
-per-call time is the slope of the median wall times (benchmarks/timing.py), which cancels the fixed
-cost of a jitted call. torch: CUDA events around n calls after a warm-up.
-Writes <out>/indexer_h200.json: device, date, command, peak_gbps, rows (op, backend, B, context,
-us, gbps). A backend that cannot run (no SM90 GPU, no extension) is reported and skipped.
+  GB/s counts the fp8 key bytes the logits read, 132 per cached token (B * L * 132), for every op.
+Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of N keys, N in {8192,
+65536, 131072}; row i sees keys [0, N - M + i + 1), causal):
+  prefill_logits  fp8_mqa_logits: "native", and "xla" where N <= --xla-prefill-max-keys
+  prefill_topk    top_k_per_row over those rows: "native", "xla" (same limit), "torch" (torch.topk
+                  over the whole width, whose -inf columns stand outside the rows)
+  TFLOP/s counts the in-range products, 2 * 64 * 128 * sum_i len_i; GB/s the logits written (fp32).
+Ceilings in the same run (benchmarks/rooflines.py, torch): `peak_gbps`, a 4 GiB device-to-device copy
+(bytes read + written); `peak_tflops_fp8`, an e4m3 8192^3 product through torch._scaled_mm.
+Timing: per-call device time in steady state. JAX: jitted functions making n1 and n2 unrolled calls
+(each on its own query / logits array, so that XLA cannot merge them); the per-call time is the
+slope of the median wall times (benchmarks/timing.py), which cancels the fixed cost of a jitted
+call. torch: n2 calls on the same n2 arrays captured in one CUDA graph and replayed.
+Writes <out>/indexer_h200.json: device, date, command, peak_gbps, peak_tflops_fp8, rows (op,
+backend, B, context, us, gbps; prefill rows add M and tflops). A backend that cannot run (no SM90
+GPU, no extension, no torch) is reported and skipped.
 --smoke runs tiny shapes with the pure-JAX backend only (CPU is fine) and writes nothing.
 """
 
@@ -29,134 +38,227 @@ import datetime
 import json
 import os
 import sys
+import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
 
-import jax_sparse_mla as jsm
-from timing import median_seconds
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jax_sparse_mla as jsm  # noqa: E402
+from timing import median_seconds, torch_graph_seconds  # noqa: E402
 
 HEADS = 64
+DIM = 128
 TOP_K = 2048
 BLOCK = 64
-PAGE_BYTES = BLOCK * 132
 KEY_BYTES = 132  # fp8 values + fp32 scale per cached token
+PREFILL_ROWS = 4096
+# (n1, n2) unrolled calls per backend: few for pure JAX, whose calls are long and slow to compile.
+CALLS = {"native": (4, 12), "xla": (2, 6), "lax_top_k": (2, 6)}
+PREFILL_CALLS = (1, 3)
 
 
-def make_inputs(batch, context, seed=0):
+def make_decode_inputs(batch, context, seed=0):
     """q [B, 1, 64, 128] e4m3, index cache (each request its own blocks), weights, lengths,
     block table."""
     rng = np.random.default_rng(seed)
     blocks = -(-context // BLOCK)
     num_blocks = batch * blocks
-    key = jax.random.key(seed)
     # Random bytes through JAX on the device (NumPy would take long for GBs): e4m3 values of a
     # normal distribution, scales 2^-6.
-    values = jax.random.normal(key, (num_blocks, BLOCK * 128), jnp.float32).astype(
+    values = jax.random.normal(jax.random.key(seed), (num_blocks, BLOCK * DIM), jnp.float32).astype(
         jnp.float8_e4m3fn)
     scales = jnp.full((num_blocks, BLOCK), 2.0 ** -6, jnp.float32)
     scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8).reshape(num_blocks, -1)
     pages = jnp.concatenate([jax.lax.bitcast_convert_type(values, jnp.uint8), scale_bytes], axis=1)
-    cache = pages.reshape(num_blocks, BLOCK, 132)
+    cache = pages.reshape(num_blocks, BLOCK, KEY_BYTES)
     table = jnp.asarray(rng.permutation(num_blocks).astype(np.int32).reshape(batch, blocks))
-    q = jax.random.normal(jax.random.key(seed + 1), (batch, 1, HEADS, 128)).astype(
-        jnp.float8_e4m3fn)
+    q = jax.random.normal(jax.random.key(seed + 1), (batch, 1, HEADS, DIM)).astype(jnp.float8_e4m3fn)
     weights = jax.random.normal(jax.random.key(seed + 2), (batch, HEADS), jnp.float32) * 0.1
     lengths = jnp.full((batch,), context, jnp.int32)
     return q, cache, weights, lengths, table
 
 
-def slope_seconds(make_call, operands, calls, repeats):
+def make_prefill_inputs(num_rows, num_keys, seed=0):
+    """q [M, 64, 128] e4m3, keys [N, 128] e4m3 and their scales, weights, causal row ranges."""
+    key = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(key[0], (num_rows, HEADS, DIM)).astype(jnp.float8_e4m3fn)
+    k_fp8 = jax.random.normal(key[1], (num_keys, DIM)).astype(jnp.float8_e4m3fn)
+    k_scale = jnp.exp2(jax.random.randint(key[2], (num_keys,), -8, -4)).astype(jnp.float32)
+    weights = jax.random.normal(key[3], (num_rows, HEADS), jnp.float32) * 0.1
+    starts = jnp.zeros((num_rows,), jnp.int32)
+    ends = jnp.maximum(jnp.arange(num_keys - num_rows + 1, num_keys + 1, dtype=jnp.int32), 0)
+    return q, k_fp8, k_scale, weights, starts, ends
+
+
+def slope_seconds(make_call, operands, shared, calls, repeats):
     """Per-call seconds: slope of the median wall times of n1 and n2 unrolled calls in one jit.
-    make_call(operand, shared) -> output; operands: one distinct array per call (n2 of them)."""
+    make_call(operand, *shared) -> output; operands: one distinct array per call (n2 of them);
+    shared: the arrays every call reads (the cache, lengths, ...), passed as arguments of the jit
+    (closed over, they would be constants that XLA spends seconds folding)."""
     n1, n2 = calls
 
     def seconds(num_calls):
-        fn = jax.jit(lambda ops: [make_call(ops[i]) for i in range(num_calls)])
-        return median_seconds(lambda: fn(operands[:num_calls]), repeats)
+        fn = jax.jit(lambda ops, shared: [make_call(ops[i], *shared) for i in range(num_calls)])
+        return median_seconds(lambda: fn(operands[:num_calls], shared), repeats)
 
     return max(seconds(n2) - seconds(n1), 0.0) / (n2 - n1)
 
 
-def copy_roofline_gbps(calls, repeats, nbytes=4 << 30):
-    """Bytes read + written per second of a device-to-device copy of `nbytes`, timed the same
-    way."""
-    n = nbytes // 4
-    sources = [jnp.full((n,), float(i), jnp.float32) for i in range(calls[1])]
-    per_call = slope_seconds(lambda x: x + 0.0, sources, calls, repeats)  # one read, one write
-    del sources
-    return 2 * nbytes / per_call / 1e9 if per_call > 0 else float("nan")
-
-
-def bench_config(batch, context, backends, calls, repeats, log):
-    rows = []
-    q, cache, weights, lengths, table = make_inputs(batch, context)
-    key_bytes = batch * context * KEY_BYTES
-    queries = [q * (i % 3 + 1) for i in range(calls[1])]  # distinct arrays, same magnitudes
-
-    def row(op, backend, seconds):
-        us = seconds * 1e6
-        gbps = key_bytes / seconds / 1e9 if seconds > 0 else float("nan")
-        rows.append(dict(op=op, backend=backend, B=batch, context=context, us=us, gbps=gbps))
-        log(f"  {op:6s} {backend:6s} B={batch:4d} L={context:6d}: {us:9.1f} us  {gbps:7.1f} GB/s")
-
-    logits_ref = None
-    for backend in [b for b in backends if b in ("native", "xla")]:
-        def logits(qi, backend=backend):
-            return jsm.fp8_paged_mqa_logits(qi, cache, weights, lengths, table,
-                                            max_context_len=context, implementation=backend)
-
-        def select(qi, backend=backend):
-            return jsm.top_k_per_row_decode(logits(qi), lengths, k=TOP_K, implementation=backend)
-
-        try:
-            row("logits", backend, slope_seconds(logits, queries, calls, repeats))
-            scores = jax.jit(logits)(q)
-            if logits_ref is None:
-                logits_ref = scores
-            score_sets = [scores + float(i) for i in range(calls[1])]
-            row("topk", backend, slope_seconds(
-                lambda s, backend=backend: jsm.top_k_per_row_decode(s, lengths, k=TOP_K,
-                                                                    implementation=backend),
-                score_sets, calls, repeats))
-            del score_sets
-            row("select", backend, slope_seconds(select, queries, calls, repeats))
-        except (ValueError, RuntimeError) as error:  # e.g. no native kernel on this device
-            log(f"  {backend}: skipped ({str(error)[:200]})")
-    if "torch" in backends and logits_ref is not None:
-        seconds = torch_topk_seconds(logits_ref, calls[1], repeats)
-        if seconds is not None:
-            row("topk", "torch", seconds)
-    return rows
-
-
-def torch_topk_seconds(scores, calls, repeats):
-    """torch.topk(k=2048) on the same scores (through DLPack), CUDA events, median of repeats."""
+def torch_topk_seconds(score_sets, repeats):
+    """torch.topk(k=2048) over each of `score_sets` (JAX arrays, shared through DLPack), one CUDA
+    graph of those calls; None without torch or a CUDA device."""
     try:
         import torch
     except ImportError:
         return None
     if not torch.cuda.is_available():
         return None
-    x = torch.from_dlpack(scores)
-    torch.topk(x, TOP_K, dim=1)
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
+    tensors = [torch.from_dlpack(s) for s in score_sets]
+
+    def run_all():
+        for x in tensors:
             torch.topk(x, TOP_K, dim=1)
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return float(np.median(times))
+
+    return torch_graph_seconds(run_all, len(tensors), repeats)
+
+
+class Recorder:
+    """Rows of the result, each printed as it is measured and, with `path`, saved at once (the
+    JSON `header` plus the rows so far), so that a run cut short keeps what it measured."""
+
+    def __init__(self, log, path=None, header=None):
+        self.rows, self.log, self.path, self.header = [], log, path, header or {}
+
+    def save(self, **more):
+        if self.path is not None:
+            with open(self.path, "w") as f:
+                json.dump(dict(self.header, **more, rows=self.rows), f, indent=1)
+
+    def add(self, op, backend, batch, context, seconds, nbytes, **extra):
+        us = seconds * 1e6
+        gbps = nbytes / seconds / 1e9 if seconds > 0 else float("nan")
+        row = dict(op=op, backend=backend, B=batch, context=context, us=us, gbps=gbps, **extra)
+        self.rows.append(row)
+        self.save()
+        more = "".join(f"  {k}={v:.1f}" if isinstance(v, float) else f"  {k}={v}"
+                       for k, v in extra.items())
+        self.log(f"  {op:14s} {backend:9s} B={batch:4d} L={context:6d}: {us:9.1f} us "
+                 f"{gbps:8.1f} GB/s{more}")
+
+
+def skipped(log, what, error):
+    log(f"  {what}: skipped ({str(error)[:200]})")
+
+
+def bench_decode(batch, context, backends, repeats, record):
+    q, cache, weights, lengths, table = make_decode_inputs(batch, context)
+    shared = (cache, weights, lengths, table)
+    key_bytes = batch * context * KEY_BYTES
+    n_max = max(CALLS[b][1] for b in CALLS)
+    queries = [q * (i % 3 + 1) for i in range(n_max)]  # distinct arrays, same magnitudes
+    scores = None
+    for backend in [b for b in backends if b in ("native", "xla")]:
+        calls = CALLS[backend]
+
+        def logits(qi, cache, weights, lengths, table, backend=backend):
+            return jsm.fp8_paged_mqa_logits(qi, cache, weights, lengths, table,
+                                            max_context_len=context, implementation=backend)
+
+        def top_k(s, lengths, backend=backend):
+            return jsm.top_k_per_row_decode(s, lengths, k=TOP_K, implementation=backend)
+
+        def select(qi, cache, weights, lengths, table, backend=backend):
+            return top_k(logits(qi, cache, weights, lengths, table), lengths)
+
+        try:
+            record.add("logits", backend, batch, context,
+                       slope_seconds(logits, queries, shared, calls, repeats), key_bytes)
+            if scores is None:
+                scores = jax.jit(logits)(q, *shared)
+                score_sets = [scores + float(i) for i in range(n_max)]
+            record.add("topk", backend, batch, context,
+                       slope_seconds(top_k, score_sets, (lengths,), calls, repeats), key_bytes)
+            record.add("select", backend, batch, context,
+                       slope_seconds(select, queries, shared, calls, repeats), key_bytes)
+        except (ValueError, RuntimeError) as error:  # e.g. no native kernel on this device
+            skipped(record.log, backend, error)
+    if scores is None:
+        return
+    if "xla" in backends:
+        record.add("topk", "lax_top_k", batch, context,
+                   slope_seconds(lambda s: jax.lax.top_k(s, TOP_K)[1], score_sets, (),
+                                 CALLS["lax_top_k"], repeats), key_bytes)
+    if "torch" in backends:
+        seconds = torch_topk_seconds(score_sets[:CALLS["native"][1]], repeats)
+        if seconds is not None:
+            record.add("topk", "torch", batch, context, seconds, key_bytes)
+
+
+def bench_prefill(num_keys, backends, repeats, record, xla_max_keys, num_rows=PREFILL_ROWS):
+    q, k_fp8, k_scale, weights, starts, ends = make_prefill_inputs(num_rows, num_keys)
+    shared = (k_fp8, k_scale, weights, starts, ends)
+    products = float(np.sum(np.asarray(ends - starts, np.float64)))
+    flop = 2.0 * HEADS * DIM * products
+    logits_bytes = num_rows * num_keys * 4
+    queries = [q * (i % 3 + 1) for i in range(PREFILL_CALLS[1])]
+    extra = lambda seconds: dict(M=num_rows, tflops=flop / seconds / 1e12 if seconds else 0.0)  # noqa: E731
+    score_sets = None
+    for backend in [b for b in backends if b in ("native", "xla")]:
+        if backend == "xla" and num_keys > xla_max_keys:
+            continue
+
+        def logits(qi, k_fp8, k_scale, weights, starts, ends, backend=backend):
+            return jsm.fp8_mqa_logits(qi, k_fp8, k_scale, weights, starts, ends,
+                                      implementation=backend)
+
+        def top_k(s, starts, ends, backend=backend):
+            return jsm.top_k_per_row(s, starts, ends, k=TOP_K, implementation=backend)
+
+        try:
+            seconds = slope_seconds(logits, queries, shared, PREFILL_CALLS, repeats)
+            record.add("prefill_logits", backend, 1, num_keys, seconds, logits_bytes,
+                       **extra(seconds))
+            if score_sets is None:
+                scores = jax.jit(logits)(q, *shared)
+                score_sets = [scores + float(i) for i in range(PREFILL_CALLS[1])]
+                del scores
+            seconds = slope_seconds(top_k, score_sets, (starts, ends), PREFILL_CALLS, repeats)
+            record.add("prefill_topk", backend, 1, num_keys, seconds, logits_bytes, M=num_rows)
+        except (ValueError, RuntimeError) as error:
+            skipped(record.log, backend, error)
+    if "torch" in backends and score_sets is not None:
+        seconds = torch_topk_seconds(score_sets, repeats)
+        if seconds is not None:
+            record.add("prefill_topk", "torch", 1, num_keys, seconds, logits_bytes, M=num_rows)
+
+
+def ceilings(backends, log):
+    """(copy GB/s, fp8 TFLOP/s) measured through torch, NaN where torch cannot run."""
+    if "torch" not in backends:
+        return float("nan"), float("nan")
+    try:
+        import torch
+
+        import rooflines
+        peak_gbps, peak_fp8 = rooflines.copy_gbps(), rooflines.matmul_tflops("fp8")
+        torch.cuda.empty_cache()
+        return peak_gbps, peak_fp8
+    except Exception as error:  # noqa: BLE001  (report and go on without the ceilings)
+        skipped(log, "rooflines (torch)", error)
+        return float("nan"), float("nan")
 
 
 def smoke():
     """Tiny shapes, pure JAX, on any device: the benchmark's code paths run."""
-    rows = bench_config(2, 4096, ("xla",), calls=(1, 2), repeats=1, log=print)
-    assert {r["op"] for r in rows} == {"logits", "topk", "select"}, rows
+    record = Recorder(print)
+    bench_decode(2, 4096, ("xla",), 1, record)
+    bench_prefill(512, ("xla",), 1, record, xla_max_keys=512, num_rows=64)
+    assert {(r["op"], r["backend"]) for r in record.rows} == {
+        ("logits", "xla"), ("topk", "xla"), ("select", "xla"), ("topk", "lax_top_k"),
+        ("prefill_logits", "xla"), ("prefill_topk", "xla")}, record.rows
     print("smoke OK")
 
 
@@ -165,33 +267,37 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 128])
     parser.add_argument("--context", type=int, nargs="+", default=[8192, 65536, 131072])
+    parser.add_argument("--prefill-keys", type=int, nargs="*", default=[8192, 65536, 131072])
+    parser.add_argument("--xla-prefill-max-keys", type=int, default=8192,
+                        help="largest N whose prefill rows also run pure JAX (it is slow)")
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
                         choices=["native", "xla", "torch"])
-    parser.add_argument("--calls", type=int, nargs=2, default=[4, 12],
-                        help="n1 n2: unrolled calls of the two timed functions (slope)")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")
     args = parser.parse_args(argv)
     if args.smoke:
         smoke()
         return
+    start = time.perf_counter()
     device = jax.devices()[0]
-    print(f"device: {device.device_kind}")
-    peak = copy_roofline_gbps(tuple(args.calls), args.repeats)
-    print(f"copy roofline: {peak:.0f} GB/s")
-    rows = []
+    print(f"device: {device.device_kind} (jax {jax.__version__})")
+    peak_gbps, peak_fp8 = ceilings(args.backends, print)
+    print(f"rooflines: copy {peak_gbps:.0f} GB/s, fp8 matmul {peak_fp8:.0f} TFLOP/s")
+    os.makedirs(args.out, exist_ok=True)
+    record = Recorder(print, os.path.join(args.out, "indexer_h200.json"), dict(
+        device=f"{device.device_kind} (jax {jax.__version__})",
+        date=datetime.date.today().isoformat(),
+        command=" ".join(["python", "benchmarks/bench_indexer.py"] + sys.argv[1:]),
+        peak_gbps=peak_gbps, peak_tflops_fp8=peak_fp8))
     for batch in args.batch:
         for context in args.context:
-            rows += bench_config(batch, context, args.backends, tuple(args.calls), args.repeats,
-                                 print)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "indexer_h200.json")
-    with open(path, "w") as f:
-        json.dump(dict(device=device.device_kind, date=datetime.date.today().isoformat(),
-                       command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                       peak_gbps=peak, rows=rows), f, indent=1)
-    print(f"wrote {path}")
+            bench_decode(batch, context, args.backends, args.repeats, record)
+    for num_keys in args.prefill_keys:
+        bench_prefill(num_keys, args.backends, args.repeats, record, args.xla_prefill_max_keys)
+    elapsed = time.perf_counter() - start
+    record.save(seconds=round(elapsed))
+    print(f"benchmark took {elapsed:.0f} s; wrote {record.path}")
 
 
 if __name__ == "__main__":

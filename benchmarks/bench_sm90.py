@@ -36,7 +36,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for torch
@@ -45,7 +44,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from timing import median_seconds  # noqa: E402
+import rooflines  # noqa: E402
+from timing import median_seconds, torch_graph_seconds  # noqa: E402
 
 K = 2048
 REGION_ROWS = 8192
@@ -208,56 +208,7 @@ class TorchFa3:
         return run_all
 
     def time(self, q, cache, sets, kv_dtype, calls=32, repeats=10):
-        torch = self.torch
-        run_all = self.runner(q, cache, sets, kv_dtype, calls)
-        run_all()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            run_all()  # warm up on the capture stream
-            torch.cuda.synchronize()
-            with torch.cuda.graph(graph, stream=stream):
-                run_all()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3 / calls)
-        return statistics.median(times)
-
-
-def rooflines():
-    import torch
-
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        a @ b
-    end.record()
-    end.synchronize()
-    peak_tflops = 10 * 2 * 8192 ** 3 / (start.elapsed_time(end) / 1e3) / 1e12
-    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    peak_gbps = 10 * 2 * src.numel() / (start.elapsed_time(end) / 1e3) / 1e9
-    del a, b, src, dst
-    torch.cuda.empty_cache()
-    return peak_tflops, peak_gbps
+        return torch_graph_seconds(self.runner(q, cache, sets, kv_dtype, calls), calls, repeats)
 
 
 def plot(rows, path):
@@ -301,7 +252,7 @@ def main():
              "fp8_ds_mla": (args.fp8_tokens, args.fp8_heads)}
     device = jax.devices()[0]
     try:
-        peak_tflops, peak_gbps = rooflines()
+        peak_tflops, peak_gbps = rooflines.matmul_tflops("bf16"), rooflines.copy_gbps()
         torch_fa3 = None if args.no_torch else TorchFa3()
     except Exception as error:  # noqa: BLE001  (report and go on without the torch column)
         print(f"torch / flashinfer unavailable: {error!r}", file=sys.stderr)
