@@ -43,6 +43,7 @@ from timing import median_seconds
 
 NUM_REQS, BLOCK_SIZE, TABLE_WIDTH = 64, 64, 1024
 MODES = ("plain", "plain_compact", "dcp2_compact")
+GPU_IMPLEMENTATIONS = ("native", "pallas")
 CALLS = (2, 10)  # n1, n2 of the slope
 REPEATS = 30
 
@@ -132,10 +133,11 @@ def measure(mode: str, implementation: str, num_tokens: int, top_k: int, sets) -
 def check_equal(mode: str, sets) -> None:
     """The two implementations agree bit for bit on the benchmark's own inputs."""
     req_ids, toks, table = sets
-    got = jax.jit(convert_fn(mode, "pallas"))(req_ids[0], table, toks[0])
     want = jax.jit(convert_fn(mode, "xla"))(req_ids[0], table, toks[0])
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    for impl in GPU_IMPLEMENTATIONS:
+        got = jax.jit(convert_fn(mode, impl))(req_ids[0], table, toks[0])
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def main() -> None:
@@ -145,7 +147,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=2048)
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy roofline")
     args = parser.parse_args()
-    impls = ["pallas", "xla"]
+    impls = [*GPU_IMPLEMENTATIONS, "xla"]
     if current_device_capability() is None:
         print(f"no CUDA GPU (default device {jax.devices()[0].platform}): measuring xla only",
               file=sys.stderr)
@@ -160,7 +162,7 @@ def main() -> None:
     for num_tokens in args.tokens:
         sets = index_sets(CALLS[1], num_tokens, args.top_k)
         for mode in MODES:
-            if "pallas" in impls:
+            if len(impls) > 1:
                 check_equal(mode, sets)
             for impl in impls:
                 row = measure(mode, impl, num_tokens, args.top_k, sets)
@@ -169,15 +171,16 @@ def main() -> None:
                 print(f"{mode:>14} {num_tokens:>5} {impl:>6} {row['us']:>9.2f} "
                       f"{row['us_call']:>8.1f} {row['gbps']:>7.0f} {row['pct_of_copy']:>5.1f}%")
         del sets
-    if "pallas" in impls:
-        print("\nfaster per (mode, T) (\"auto\" runs pallas on CUDA; see index_conversion._select_core):")
+    if len(impls) > 1:
+        print("\nfaster per (mode, T) (see index_conversion._select_core):")
         for mode in MODES:
             for num_tokens in args.tokens:
                 us = {r["impl"]: r["us"] for r in rows
                       if r["mode"] == mode and r["T"] == num_tokens}
                 best = min(us, key=us.get)
-                print(f"  {mode:>14} T={num_tokens:>5}: {best} "
-                      f"(pallas/xla time = {us['pallas'] / us['xla']:.2f})")
+                print(f"  {mode:>14} T={num_tokens:>5}: {best} ("
+                      + ", ".join(f"{impl}/xla time = {us[impl] / us['xla']:.2f}"
+                                  for impl in GPU_IMPLEMENTATIONS) + ")")
     os.makedirs(args.out, exist_ok=True)
     result = dict(
         device=device.device_kind,

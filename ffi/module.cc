@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "common/cubin_loader.h"
+#include "common/index_conversion.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
@@ -29,6 +30,11 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 
 nb::dict Registrations() {
   nb::dict targets;
+#ifdef JAX_SPARSE_MLA_HAS_COMMON
+  targets["jax_sparse_mla_index_conversion"] = EncapsulateFfiHandler(JaxSparseMlaIndexConversion);
+  targets["jax_sparse_mla_index_conversion_counts"] =
+      EncapsulateFfiHandler(JaxSparseMlaIndexConversionCounts);
+#endif
 #ifdef JAX_SPARSE_MLA_HAS_SM90
   targets["jax_sparse_mla_sm90_decode_bf16"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeBf16);
   targets["jax_sparse_mla_sm90_decode_fp8"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeFp8);
@@ -53,6 +59,10 @@ nb::dict Registrations() {
 // traits at registration, not from its symbol, so kernels/native.py passes them for these names.
 std::vector<std::string> CommandBufferTargets() {
   std::vector<std::string> names;
+#ifdef JAX_SPARSE_MLA_HAS_COMMON
+  names.push_back("jax_sparse_mla_index_conversion");
+  names.push_back("jax_sparse_mla_index_conversion_counts");
+#endif
 #ifdef JAX_SPARSE_MLA_HAS_SM90
   names.push_back("jax_sparse_mla_sm90_decode_bf16");
   names.push_back("jax_sparse_mla_sm90_decode_fp8");
@@ -71,6 +81,9 @@ std::vector<std::string> CommandBufferTargets() {
 // Which handler families this build holds and the machine code each was compiled for.
 nb::dict BuildInfo() {
   nb::dict info;
+#ifdef JAX_SPARSE_MLA_HAS_COMMON
+  info["common"] = JAX_SPARSE_MLA_COMMON_GENCODE;
+#endif
 #ifdef JAX_SPARSE_MLA_HAS_SM90
   info["sm90"] = JAX_SPARSE_MLA_SM90_GENCODE;
 #endif

@@ -102,11 +102,16 @@ def _attention_lines() -> list[str]:
 
 
 def _index_conversion_lines() -> list[str]:
-    core = index_conversion._select_core("auto")
-    chosen = "xla (pure JAX)" if core is index_conversion._convert else "pallas (Triton)"
-    why = ("" if registry.current_device_capability() is not None
-           else " (the Pallas kernels need a CUDA GPU)")
-    return [f"  convert_req_index_to_global_index, filter_and_convert_dcp_index: {chosen}{why}"]
+    names = {"pallas": "pallas (Triton)", "native": "native (CUDA)"}
+    chosen, passed_over = "xla (pure JAX)", []
+    for name in index_conversion.AUTO_ORDER:
+        why = index_conversion.unavailable_reason(name)
+        if why is None:
+            chosen = names[name]
+            break
+        passed_over.append(f"      not {name}: {why}")
+    return [f"  convert_req_index_to_global_index, filter_and_convert_dcp_index: {chosen}",
+            *passed_over]
 
 
 def _indexer_lines() -> list[str]:

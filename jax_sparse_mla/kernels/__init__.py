@@ -8,6 +8,7 @@ module per kernel family, each of which registers its kernels when imported:
     sm100_trtllm_gen      FlashInfer's TRTLLM-gen sparse decode (SM100/SM103)            ffi/sm100/
     sm120                 FlashInfer's sparse_mla_sm120 decode (SM120/SM121)             ffi/sm120/
     index_conversion_pallas  the index conversions as Pallas (Triton) kernels
+    index_conversion_native  the index conversions as CUDA kernels (every family)          ffi/common/
 
 Kernels registered later take precedence on their devices, so sm90_fp8 is imported after sm90.
 """

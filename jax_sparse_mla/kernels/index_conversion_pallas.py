@@ -223,3 +223,20 @@ def convert(
         interpret=interpret,
     )(*inputs)
     return outs[0], (outs[1] if count else None)
+
+
+@functools.cache
+def lowering_error() -> str | None:
+    """None when both kernels lower for CUDA with this JAX (Pallas -> Triton IR, no GPU needed),
+    else the error: checked once per process, so that a JAX whose Pallas Triton backend changed or
+    went away makes the public functions fall back instead of breaking the caller's jit."""
+    i32 = jax.ShapeDtypeStruct
+    args = (i32((2,), jnp.int32), i32((2, 4), jnp.int32), i32((2, 128), jnp.int32), 0, None, None)
+    try:
+        for compact in (False, True):
+            jax.jit(functools.partial(convert, block_size=16, dcp_size=1, interleave=1,
+                                      compact=compact, count=compact)).trace(*args).lower(
+                lowering_platforms=("cuda",))
+    except Exception as error:  # noqa: BLE001  (any failure means: do not use these kernels)
+        return f"the Pallas Triton kernels do not lower with jax {jax.__version__}: {error!r}"[:500]
+    return None

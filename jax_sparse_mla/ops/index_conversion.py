@@ -5,9 +5,9 @@ kernel reads physical rows `slot = block * block_size + offset` of a paged cache
 goes through the request's block table. Ports vLLM's target-era
 `sparse_utils.py::triton_convert_req_index_to_global_index` and
 `triton_filter_and_convert_dcp_index` as one vectorised [T, K] computation (no Triton tiling, so
-no tile-order races: compaction is a stable pack). On a CUDA GPU the same public functions run the
-Pallas kernels of `index_conversion_pallas` instead (same checks, same bits; `implementation=`
-forces either).
+no tile-order races: compaction is a stable pack). On a CUDA GPU the same public functions run GPU
+kernels instead (same checks, same bits): the Pallas Triton kernels of `index_conversion_pallas` or
+the CUDA kernels of `index_conversion_native` (`AUTO_ORDER`; `implementation=` forces any).
 
 Per element (N = dcp_size, I = interleave, r = dcp_rank; plain converter: N = 1, r = 0):
 
@@ -28,7 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from .. import _validation as v
-from ..kernels import index_conversion_pallas
+from ..kernels import index_conversion_native
+
+try:  # Pallas' Triton backend is deprecated in JAX 0.11 and will be removed
+    from ..kernels import index_conversion_pallas
+except ImportError as _error:  # pragma: no cover (depends on the installed JAX)
+    index_conversion_pallas = None
+    _PALLAS_IMPORT_ERROR = f"{type(_error).__name__}: {_error}"
 from .dcp import _check_dcp_size, _check_rank_value
 from ..kernels.registry import current_device_capability
 
@@ -38,29 +44,46 @@ __all__ = ["convert_req_index_to_global_index", "filter_and_convert_dcp_index"]
 # callers sized for the CUDA path behave the same here.
 BLOCK_N = 128
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "native")
+# What "auto" runs on a CUDA GPU: the first of these that can run here, else pure JAX. Pallas first:
+# on the H200 it measured faster than the CUDA kernels at every benchmarked shape and mode
+# (docs/benchmarks.md); the CUDA kernels are the fallback for a JAX whose Pallas Triton backend is
+# gone or fails to lower.
+AUTO_ORDER = ("pallas", "native")
+
+
+def unavailable_reason(implementation: str) -> str | None:
+    """None when the GPU kernels `implementation` ("pallas" or "native") can run on the default
+    device, else why not."""
+    if implementation == "native":
+        return index_conversion_native.unavailable_reason()
+    if current_device_capability() is None:
+        return (f"needs a CUDA GPU (Pallas' Triton lowering); the default device is "
+                f"{jax.devices()[0].platform!r}")
+    if index_conversion_pallas is None:
+        return f"JAX's Pallas Triton backend cannot be imported ({_PALLAS_IMPORT_ERROR})"
+    return index_conversion_pallas.lowering_error()
 
 
 def _select_core(implementation: str):
-    """Returns the conversion core (`_convert` or its Pallas twin) that `implementation` names.
-
-    Decided at trace time from the default device, like the attention kernels (kernels/registry.py). "auto"
-    is Pallas on a CUDA GPU: on the H200 it beat the XLA-fused version at every benchmarked shape
-    and mode (benchmarks/bench_index_conversion.py, T = 1 to 8192, K = 2048: 0.28-0.76x its time).
-    """
+    """Returns the conversion core (`_convert`, or its Pallas or CUDA twin) that `implementation`
+    names: "xla" pure JAX; "pallas" / "native" those kernels, or a ValueError saying why they cannot
+    run here; "auto" the first of AUTO_ORDER that can run, else pure JAX. Decided at trace time from
+    the default device, like the attention kernels (kernels/registry.py)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
         )
-    on_cuda = current_device_capability() is not None
-    if implementation == "pallas" and not on_cuda:
-        raise ValueError(
-            "implementation='pallas' needs a CUDA GPU (Pallas' Triton lowering); the default "
-            f"device is {jax.devices()[0].platform!r}. Use 'xla' or 'auto'."
-        )
-    if implementation == "auto":
-        implementation = "pallas" if on_cuda else "xla"
-    return index_conversion_pallas.convert if implementation == "pallas" else _convert
+    if implementation == "xla":
+        return _convert
+    for name in AUTO_ORDER if implementation == "auto" else (implementation,):
+        reason = unavailable_reason(name)
+        if reason is None:
+            return (index_conversion_native if name == "native" else index_conversion_pallas).convert
+        if implementation != "auto":
+            raise ValueError(f"implementation={implementation!r} cannot run the index conversion: "
+                             f"{reason}. Use 'xla' or 'auto'.")
+    return _convert
 
 
 def _check_common(req_id_per_token, block_table, token_indices, block_size):
@@ -166,8 +189,9 @@ def convert_req_index_to_global_index(
       return_valid_counts: also return the number of valid slots per token.
       compact: pack valid slots to the front of each row in their original order, -1 after;
         False keeps them in place (vLLM's target-era default), holes included.
-      implementation: "auto" (whichever measured faster on a CUDA GPU, pure JAX elsewhere), "xla"
-        (always pure JAX) or "pallas" (the Pallas GPU kernel; ValueError without a CUDA GPU).
+      implementation: "auto" (on a CUDA GPU the first of AUTO_ORDER that can run, else pure
+        JAX), "xla" (always pure JAX), "pallas" (the Pallas Triton kernels) or "native" (the CUDA
+        kernels of the compiled extension); the last two raise a ValueError where they cannot run.
         Every choice gives the same result, bit for bit.
 
     Returns:
@@ -232,8 +256,9 @@ def filter_and_convert_dcp_index(
       return_valid_counts: also return the number of owned, valid slots per token.
       compact: pack the owned slots to the front of each row (stable order), -1 after; False
         leaves each at its original column.
-      implementation: "auto" (whichever measured faster on a CUDA GPU, pure JAX elsewhere), "xla"
-        (always pure JAX) or "pallas" (the Pallas GPU kernel; ValueError without a CUDA GPU).
+      implementation: "auto" (on a CUDA GPU the first of AUTO_ORDER that can run, else pure
+        JAX), "xla" (always pure JAX), "pallas" (the Pallas Triton kernels) or "native" (the CUDA
+        kernels of the compiled extension); the last two raise a ValueError where they cannot run.
         Every choice gives the same result, bit for bit.
 
     Returns:

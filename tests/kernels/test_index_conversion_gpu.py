@@ -1,14 +1,16 @@
-"""The Pallas index-conversion kernels against the pure-JAX version, bit for bit.
+"""The GPU index-conversion kernels (Pallas' Triton kernels and the CUDA kernels of the extension)
+against the pure-JAX version, bit for bit.
 
-`gpu` tests run the kernels through Triton on a CUDA GPU (the public functions with
-implementation="pallas" vs "xla") over vLLM's converter grid: block sizes {16, 64, 128},
+`gpu` tests run both on a CUDA GPU (the public functions with implementation="pallas" and
+"native" vs "xla") over vLLM's converter grid: block sizes {16, 64, 128},
 K in {128, 256, 512, 2048, 2176, 4224}, holes, negatives, out-of-width positions, the prefill
 workspace, DCP sizes {1, 2, 4, 8} x interleave {1, 2, 4}, plus random inputs. Compaction is checked
 against the (stable) pure version exactly, and also as sets with a -1 tail. They skip without a
 CUDA GPU; JAX_SPARSE_MLA_REQUIRE_GPU=1 turns that skip into a failure.
 
-The other tests run everywhere: the same kernels in Pallas' interpreter on a small subset, their
-lowering for CUDA (Pallas -> Triton IR, no GPU needed), and the `implementation` keyword.
+The other tests run everywhere: the Pallas kernels in Pallas' interpreter on a small subset, their
+lowering for CUDA (Pallas -> Triton IR, no GPU needed), the `implementation` keyword and what
+"auto" falls back to.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 from jax_sparse_mla.ops import index_conversion
-from jax_sparse_mla.kernels import index_conversion_pallas
+from jax_sparse_mla.kernels import index_conversion_native, index_conversion_pallas
 from jax_sparse_mla.ops.index_conversion import (
     convert_req_index_to_global_index,
     filter_and_convert_dcp_index,
@@ -40,7 +42,7 @@ def skip_reason() -> str:
 
 if skip_reason() and os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
     raise RuntimeError(
-        f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but the Pallas GPU tests cannot run: {skip_reason()}"
+        f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but the index-conversion GPU tests cannot run: {skip_reason()}"
     )
 
 
@@ -51,6 +53,24 @@ def on_cuda(test):
     return pytest.mark.gpu(skip(test))
 
 
+# The GPU kernels checked against pure JAX: Pallas (Triton) and CUDA ("native").
+GPU_IMPLEMENTATIONS = ("pallas", "native")
+
+
+def require_kernels(implementation: str) -> str:
+    """`implementation` when its kernels can run here; else a skip (a failure under
+    JAX_SPARSE_MLA_REQUIRE_GPU=1) with the reason, e.g. no compiled extension for "native"."""
+    reason = index_conversion.unavailable_reason(implementation)
+    if reason:
+        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
+            pytest.fail(f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but {implementation!r} cannot run: {reason}")
+        pytest.skip(reason)
+    return implementation
+
+
+@pytest.fixture(params=GPU_IMPLEMENTATIONS)
+def impl(request) -> str:
+    return require_kernels(request.param)
 BLOCK_SIZES = (16, 64, 128)
 TOP_KS = (128, 256, 512, 2048, 2176, 4224)
 
@@ -127,13 +147,13 @@ PLAIN_GRID = [
 
 @on_cuda
 @pytest.mark.parametrize("block_size, top_k, prefill", PLAIN_GRID)
-def test_plain_grid_matches_xla(block_size, top_k, prefill):
+def test_plain_grid_matches_xla(impl, block_size, top_k, prefill):
     case = make_case(top_k + block_size, num_tokens=37, top_k=top_k, block_size=block_size,
                      prefill=prefill)
-    in_place = plain(case, "pallas", block_size=block_size)
+    in_place = plain(case, impl, block_size=block_size)
     assert_same(in_place, plain(case, "xla", block_size=block_size))
     for compact in (False, True):
-        got = plain(case, "pallas", block_size=block_size, return_valid_counts=True,
+        got = plain(case, impl, block_size=block_size, return_valid_counts=True,
                     compact=compact)
         assert_same(got, plain(case, "xla", block_size=block_size, return_valid_counts=True,
                                compact=compact))
@@ -142,7 +162,7 @@ def test_plain_grid_matches_xla(block_size, top_k, prefill):
 
 @on_cuda
 @pytest.mark.parametrize("dcp_size, interleave", list(itertools.product([1, 2, 4, 8], [1, 2, 4])))
-def test_dcp_grid_matches_xla(dcp_size, interleave):
+def test_dcp_grid_matches_xla(impl, dcp_size, interleave):
     block_size = 64
     top_k = 2176 if interleave == 2 else 2048
     case = make_case(10 * dcp_size + interleave, num_tokens=29, top_k=top_k,
@@ -157,12 +177,12 @@ def test_dcp_grid_matches_xla(dcp_size, interleave):
             implementation=implementation,
         ))
 
-    pallas_in_place, pallas_compact = run("pallas", False), run("pallas", True)
+    gpu_in_place, gpu_compact = run(impl, False), run(impl, True)
     xla_in_place, xla_compact = run("xla", False), run("xla", True)
     for rank in range(dcp_size):
         rank = jnp.int32(rank)
-        in_place = pallas_in_place(rank)
-        compacted = pallas_compact(rank)
+        in_place = gpu_in_place(rank)
+        compacted = gpu_compact(rank)
         assert_same(in_place, xla_in_place(rank))
         assert_same(compacted, xla_compact(rank))
         check_compaction(np.asarray(compacted[0]), np.asarray(compacted[1]),
@@ -171,7 +191,7 @@ def test_dcp_grid_matches_xla(dcp_size, interleave):
 
 @on_cuda
 @pytest.mark.parametrize("seed", range(4))
-def test_random_inputs_match_xla(seed):
+def test_random_inputs_match_xla(impl, seed):
     rng = np.random.default_rng(100 + seed)
     block_size = int(rng.choice(BLOCK_SIZES))
     top_k = 128 * int(rng.integers(1, 40))
@@ -181,13 +201,13 @@ def test_random_inputs_match_xla(seed):
                      prefill=bool(seed % 2))
     for count, compact in itertools.product((False, True), repeat=2):
         kwargs = dict(block_size=block_size, return_valid_counts=count, compact=compact)
-        assert_same(plain(case, "pallas", **kwargs), plain(case, "xla", **kwargs))
+        assert_same(plain(case, impl, **kwargs), plain(case, "xla", **kwargs))
     n = int(rng.choice([2, 4, 8]))
     kwargs = dict(dcp_size=n, dcp_rank=int(rng.integers(0, n)), block_size=block_size,
                   cp_kv_cache_interleave_size=int(rng.choice([1, 2, 4])),
                   return_valid_counts=True)
     args = (i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]))
-    assert_same(filter_and_convert_dcp_index(*args, implementation="pallas", **kwargs),
+    assert_same(filter_and_convert_dcp_index(*args, implementation=impl, **kwargs),
                 filter_and_convert_dcp_index(*args, implementation="xla", **kwargs))
 
 
@@ -196,7 +216,7 @@ def test_random_inputs_match_xla(seed):
     "num_tokens, num_reqs, width, num_starts",
     [(0, 4, 8, 2), (5, 0, 8, 2), (5, 4, 0, 2), (5, 4, 8, 0), (66000, 4, 8, 2)],
 )
-def test_edge_shapes_match_xla(num_tokens, num_reqs, width, num_starts):
+def test_edge_shapes_match_xla(impl, num_tokens, num_reqs, width, num_starts):
     """Empty batch, empty table, no workspace starts, and more rows than a CUDA y-grid holds."""
     rng = np.random.default_rng(7)
     case = dict(
@@ -208,16 +228,19 @@ def test_edge_shapes_match_xla(num_tokens, num_reqs, width, num_starts):
     )
     for count in (False, True):
         kwargs = dict(block_size=16, return_valid_counts=count, compact=count)
-        assert_same(plain(case, "pallas", **kwargs), plain(case, "xla", **kwargs))
+        assert_same(plain(case, impl, **kwargs), plain(case, "xla", **kwargs))
 
 
 @on_cuda
-def test_runs_inside_jit():
+@pytest.mark.parametrize("impl, marker", [("pallas", "triton"),
+                                          ("native", "jax_sparse_mla_index_conversion")])
+def test_runs_inside_jit(impl, marker):
+    require_kernels(impl)
     case = make_case(3, num_tokens=64, top_k=2048, block_size=64, prefill=True)
-    f = jax.jit(functools.partial(plain, implementation="pallas", block_size=64,
+    f = jax.jit(functools.partial(plain, implementation=impl, block_size=64,
                                   return_valid_counts=True, compact=True))
     hlo = jax.jit(lambda: f(case)).lower().as_text()
-    assert "triton" in hlo.lower()  # the Pallas kernel, not the XLA fallback
+    assert marker in hlo.lower()  # the kernel, not the XLA fallback
     assert_same(f(case), plain(case, "xla", block_size=64, return_valid_counts=True, compact=True))
 
 
@@ -300,3 +323,32 @@ def test_rejects_unknown_implementation(fn):
             convert_req_index_to_global_index(*args, implementation="triton")
         else:
             filter_and_convert_dcp_index(*args, dcp_size=2, dcp_rank=0, implementation="triton")
+
+
+def test_auto_takes_the_first_kernels_that_can_run(monkeypatch):
+    """AUTO_ORDER on a CUDA GPU: Pallas, then the CUDA kernels, then pure JAX; a forced choice
+    that cannot run says why."""
+    reasons = {"pallas": "the Pallas Triton backend is gone", "native": None}
+    monkeypatch.setattr(index_conversion, "unavailable_reason", lambda name: reasons[name])
+    assert index_conversion._select_core("auto") is index_conversion_native.convert
+    reasons["pallas"] = None
+    assert index_conversion._select_core("auto") is index_conversion_pallas.convert
+    reasons.update(pallas="the Pallas Triton backend is gone", native="no extension")
+    assert index_conversion._select_core("auto") is index_conversion._convert
+    with pytest.raises(ValueError, match="implementation='native' cannot run the index "
+                                         "conversion: no extension"):
+        index_conversion._select_core("native")
+
+
+def test_a_pallas_lowering_failure_is_a_reason_not_an_error(monkeypatch):
+    def broken(*args, **kwargs):
+        raise NotImplementedError("no Triton lowering here")
+
+    monkeypatch.setattr(index_conversion, "current_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(index_conversion_pallas, "convert", broken)
+    index_conversion_pallas.lowering_error.cache_clear()
+    try:
+        reason = index_conversion.unavailable_reason("pallas")
+    finally:
+        index_conversion_pallas.lowering_error.cache_clear()
+    assert "do not lower" in reason and "no Triton lowering here" in reason
