@@ -56,7 +56,7 @@ BLOCK = 64
 KEY_BYTES = 132  # fp8 values + fp32 scale per cached token
 PREFILL_ROWS = 4096
 # (n1, n2) unrolled calls per backend: few for pure JAX, whose calls are long and slow to compile.
-CALLS = {"native": (4, 12), "xla": (2, 6), "lax_top_k": (2, 6)}
+CALLS = {"native": (8, 40), "xla": (2, 10), "lax_top_k": (2, 10)}
 PREFILL_CALLS = (1, 3)
 
 
