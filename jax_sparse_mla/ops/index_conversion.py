@@ -55,6 +55,8 @@ AUTO_ORDER = ("pallas", "native")
 def unavailable_reason(implementation: str) -> str | None:
     """None when the GPU kernels `implementation` ("pallas" or "native") can run on the default
     device, else why not."""
+    if implementation not in AUTO_ORDER:
+        raise ValueError(f"implementation must be one of {AUTO_ORDER}, got {implementation!r}.")
     if implementation == "native":
         return index_conversion_native.unavailable_reason()
     if current_device_capability() is None:

@@ -352,3 +352,8 @@ def test_a_pallas_lowering_failure_is_a_reason_not_an_error(monkeypatch):
     finally:
         index_conversion_pallas.lowering_error.cache_clear()
     assert "do not lower" in reason and "no Triton lowering here" in reason
+
+
+def test_unavailable_reason_names_only_gpu_kernels():
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        index_conversion.unavailable_reason("xla")
