@@ -353,8 +353,11 @@ def _top_k_rows(logits, starts, ends, *, k):
     if width < k:
         key = jnp.pad(key, ((0, 0), (0, k - width)), constant_values=outside)
     best, chosen = jax.lax.top_k(key, k)
-    # Relative positions in ascending order; fillers sort last as `width` and become -1.
-    chosen = jnp.sort(jnp.where(best == outside, width, chosen - starts[:, None]), axis=1)
+    # Relative positions in ascending order; fillers sort last as `width` and become -1. The
+    # positions are distinct and the fillers interchangeable, so an unstable sort gives the same
+    # array (and XLA need not add an iota operand to make the sort stable).
+    chosen = jnp.sort(jnp.where(best == outside, width, chosen - starts[:, None]), axis=1,
+                      stable=False)
     return jnp.where(chosen >= width, -1, chosen)
 
 
