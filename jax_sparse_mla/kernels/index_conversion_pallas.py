@@ -230,8 +230,9 @@ def lowering_error() -> str | None:
     """None when both kernels lower for CUDA with this JAX (Pallas -> Triton IR, no GPU needed),
     else the error: checked once per process, so that a JAX whose Pallas Triton backend changed or
     went away makes the public functions fall back instead of breaking the caller's jit."""
-    i32 = jax.ShapeDtypeStruct
-    args = (i32((2,), jnp.int32), i32((2, 4), jnp.int32), i32((2, 128), jnp.int32), 0, None, None)
+    spec = jax.ShapeDtypeStruct
+    args = (spec((2,), jnp.int32), spec((2, 4), jnp.int32), spec((2, 128), jnp.int32), 0, None,
+            None)
     try:
         for compact in (False, True):
             jax.jit(functools.partial(convert, block_size=16, dcp_size=1, interleave=1,
