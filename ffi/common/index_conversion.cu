@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "common/fast_divmod.h"
 #include "common/index_conversion.cuh"
 #include "common/index_conversion.h"
 #include "xla/ffi/api/ffi.h"
@@ -55,8 +56,8 @@ ffi::Error Convert(cudaStream_t stream, ffi::Buffer<ffi::S32> req_id,
       pref_starts.dimensions()[0] > kInt32Max) {
     return ArgumentError("T, R, W and P must each be below 2^31");
   }
-  if (block_size < 1 || block_size > kInt32Max || dcp_size < 1 || interleave < 1 ||
-      dcp_size * interleave > kInt32Max) {
+  if (block_size < 1 || block_size > kInt32Max || dcp_size < 1 || dcp_size > kInt32Max ||
+      interleave < 1 || interleave > kInt32Max || dcp_size * interleave > kInt32Max) {
     return ArgumentError("block_size, dcp_size and interleave must be positive int32 values");
   }
   ConversionParams p;
@@ -72,9 +73,9 @@ ffi::Error Convert(cudaStream_t stream, ffi::Buffer<ffi::S32> req_id,
   p.num_reqs = static_cast<int32_t>(table_dims[0]);
   p.table_width = static_cast<int32_t>(table_dims[1]);
   p.num_starts = has_prefill ? static_cast<int32_t>(pref_starts.dimensions()[0]) : 0;
-  p.block_size = static_cast<int32_t>(block_size);
-  p.dcp_size = static_cast<int32_t>(dcp_size);
-  p.interleave = static_cast<int32_t>(interleave);
+  p.block_size = FastDivmod::Make(static_cast<uint32_t>(block_size));
+  p.dcp_size = FastDivmod::Make(static_cast<uint32_t>(dcp_size));
+  p.interleave = FastDivmod::Make(static_cast<uint32_t>(interleave));
   if (num_tokens == 0) return ffi::Error::Success();
   if (top_k == 0) {
     if (counts != nullptr) cudaMemsetAsync(counts, 0, num_tokens * sizeof(int32_t), stream);
@@ -83,13 +84,13 @@ ffi::Error Convert(cudaStream_t stream, ffi::Buffer<ffi::S32> req_id,
   } else if (counts != nullptr) {
     ConvertRowKernel<false><<<static_cast<unsigned>(num_tokens), kThreads, 0, stream>>>(p);
   } else {
-    const int64_t tiles = (top_k + kTileElems - 1) / kTileElems;
-    if (num_tokens > 65535 || tiles > kInt32Max) {
-      // The grid's y dimension holds at most 65535 rows: walk rows with the row kernel instead.
+    const int64_t tiles_per_row = (top_k + kTileElems - 1) / kTileElems;
+    if (tiles_per_row * num_tokens > kInt32Max) {
+      // More tiles than the grid's x dimension holds: walk rows with the row kernel instead.
       ConvertRowKernel<false><<<static_cast<unsigned>(num_tokens), kThreads, 0, stream>>>(p);
     } else {
-      const dim3 grid(static_cast<unsigned>(tiles), static_cast<unsigned>(num_tokens));
-      ConvertTileKernel<<<grid, kThreads, 0, stream>>>(p);
+      ConvertTileKernel<<<static_cast<unsigned>(tiles_per_row * num_tokens), kThreads, 0,
+                          stream>>>(p, tiles_per_row);
     }
   }
   const cudaError_t status = cudaGetLastError();

@@ -2,12 +2,15 @@
 
 The same per-element rule as `ops.index_conversion._convert` (that module's docstring), bit for bit;
 `convert` has `_convert`'s signature, so the public functions pick either. Compiled for every GPU
-family the extension is built for (build_info()["common"]). Two kernels:
+family the extension is built for (build_info()["common"]). Two kernels, each thread mapping 8 positions (two 16-byte vectors loaded before any is
+converted), every lane gathering its table entry at a clamped block with no per-lane branch, and
+the runtime divisors (block_size, dcp_size, interleave) applied as multiply-high and shift
+(ffi/common/fast_divmod.h):
 
-* tile kernel (in place, no counts): a CTA maps 1024 positions of one row with 16-byte loads and
-  stores, so small batches still fill the GPU;
-* row kernel (counts and/or compaction): a CTA walks its row in tiles of 1024; a block-wide scan of
-  each tile's valid flags places the kept slots (a stable pack, no atomics), then -1 fills the tail.
+* tile kernel (in place, no counts): a CTA maps 2048 positions of one row, so small batches still
+  fill the GPU;
+* row kernel (counts and/or compaction): a CTA walks its row in tiles of 2048; a block-wide scan of
+  the valid counts places the kept slots (a stable pack, no atomics), then -1 fills the tail.
 
 Both are registered as command-buffer compatible (no host synchronisation, no allocation).
 """

@@ -326,11 +326,12 @@ def test_rejects_unknown_implementation(fn):
 
 
 def test_auto_takes_the_first_kernels_that_can_run(monkeypatch):
-    """AUTO_ORDER on a CUDA GPU: Pallas, then the CUDA kernels, then pure JAX; a forced choice
-    that cannot run says why."""
+    """AUTO_ORDER on a CUDA GPU: Pallas, else pure JAX (the CUDA kernels are not in it until their
+    GPU grid passes); a forced choice runs its kernels or says why it cannot."""
     reasons = {"pallas": "the Pallas Triton backend is gone", "native": None}
     monkeypatch.setattr(index_conversion, "unavailable_reason", lambda name: reasons[name])
-    assert index_conversion._select_core("auto") is index_conversion_native.convert
+    assert index_conversion._select_core("auto") is index_conversion._convert
+    assert index_conversion._select_core("native") is index_conversion_native.convert
     reasons["pallas"] = None
     assert index_conversion._select_core("auto") is index_conversion_pallas.convert
     reasons.update(pallas="the Pallas Triton backend is gone", native="no extension")
