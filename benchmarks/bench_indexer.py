@@ -9,15 +9,17 @@ Decode, for B in {1, 32, 128} x context L in {8192, 65536, 131072} (every reques
 next_n = 1, H = 64, k = 2048):
   logits  fp8_paged_mqa_logits(..., max_context_len=L): "native" (implementation="native", the SM90
           kernel) and "xla" (pure JAX)
-  topk    top_k_per_row_decode on those logits: "native", "xla", "lax_top_k" (jax.lax.top_k(logits,
+  topk    top_k_per_row_decode on those logits: "native", "auto" (with "native" in --backends: what
+          implementation="auto" runs, which differs from "native" while a native kernel, such as
+          the cluster top-k, is not yet validated), "xla", "lax_top_k" (jax.lax.top_k(logits,
           2048) alone, the bound the pure-JAX op is held to) and "torch" (torch.topk(logits, 2048))
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "xla"
   GB/s counts the fp8 key bytes the logits read, 132 per cached token (B * L * 132), for every op.
 Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of N keys, N in {8192,
 65536, 131072}; row i sees keys [0, N - M + i + 1), causal):
   prefill_logits  fp8_mqa_logits: "native", and "xla" where N <= --xla-prefill-max-keys
-  prefill_topk    top_k_per_row over those rows: "native", "xla" (same limit), "torch" (torch.topk
-                  over the whole width, whose -inf columns stand outside the rows)
+  prefill_topk    top_k_per_row over those rows: "native", "auto", "xla" (same limit), "torch"
+                  (torch.topk over the whole width, whose -inf columns stand outside the rows)
   TFLOP/s counts the in-range products, 2 * 64 * 128 * sum_i len_i; GB/s the logits written (fp32).
 Ceilings in the same run (benchmarks/rooflines.py, torch): `peak_gbps`, a 4 GiB device-to-device copy
 (bytes read + written); `peak_tflops_fp8`, an e4m3 8192^3 product through torch._scaled_mm.
@@ -56,7 +58,7 @@ BLOCK = 64
 KEY_BYTES = 132  # fp8 values + fp32 scale per cached token
 PREFILL_ROWS = 4096
 # (n1, n2) unrolled calls per backend: few for pure JAX, whose calls are long and slow to compile.
-CALLS = {"native": (8, 40), "xla": (2, 10), "lax_top_k": (2, 10)}
+CALLS = {"native": (8, 40), "auto": (8, 40), "xla": (2, 10), "lax_top_k": (2, 10)}
 PREFILL_CALLS = (1, 3)
 
 
@@ -187,6 +189,13 @@ def bench_decode(batch, context, backends, repeats, record):
             skipped(record.log, backend, error)
     if scores is None:
         return
+    if "native" in backends:
+        try:
+            record.add("topk", "auto", batch, context, slope_seconds(
+                lambda s, lengths: jsm.top_k_per_row_decode(s, lengths, k=TOP_K),
+                score_sets, (lengths,), CALLS["auto"], repeats), key_bytes)
+        except (ValueError, RuntimeError) as error:
+            skipped(record.log, "auto", error)
     if "xla" in backends:
         record.add("topk", "lax_top_k", batch, context,
                    slope_seconds(lambda s: jax.lax.top_k(s, TOP_K)[1], score_sets, (),
@@ -229,6 +238,14 @@ def bench_prefill(num_keys, backends, repeats, record, xla_max_keys, num_rows=PR
             record.add("prefill_topk", backend, 1, num_keys, seconds, logits_bytes, M=num_rows)
         except (ValueError, RuntimeError) as error:
             skipped(record.log, backend, error)
+    if "native" in backends and score_sets is not None:
+        try:
+            seconds = slope_seconds(
+                lambda s, starts, ends: jsm.top_k_per_row(s, starts, ends, k=TOP_K),
+                score_sets, (starts, ends), PREFILL_CALLS, repeats)
+            record.add("prefill_topk", "auto", 1, num_keys, seconds, logits_bytes, M=num_rows)
+        except (ValueError, RuntimeError) as error:
+            skipped(record.log, "auto", error)
     if "torch" in backends and score_sets is not None:
         seconds = torch_topk_seconds(score_sets, repeats)
         if seconds is not None:

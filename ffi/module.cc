@@ -45,6 +45,10 @@ nb::dict Registrations() {
   targets["jax_sparse_mla_sm90_top_k_per_row"] = EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRow);
   targets["jax_sparse_mla_sm90_top_k_per_row_decode"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecode);
+  targets["jax_sparse_mla_sm90_top_k_per_row_cluster"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowCluster);
+  targets["jax_sparse_mla_sm90_top_k_per_row_decode_cluster"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeCluster);
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM100
   targets["jax_sparse_mla_trtllm_gen_decode"] = EncapsulateFfiHandler(JaxSparseMlaTrtllmGenDecode);
@@ -71,6 +75,8 @@ std::vector<std::string> CommandBufferTargets() {
   names.push_back("jax_sparse_mla_sm90_mqa_logits");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode");
+  names.push_back("jax_sparse_mla_sm90_top_k_per_row_cluster");
+  names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode_cluster");
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM120
   names.push_back("jax_sparse_mla_sm120_decode");

@@ -1,6 +1,6 @@
-// XLA FFI handlers of the lightning indexer's top-k (top_k_per_row, top_k_per_row_decode): one
-// launch of the kernel in indexer_topk.cuh, one CTA per row; no host synchronisation, no
-// allocation, no scratch.
+// XLA FFI handlers of the lightning indexer's top-k (top_k_per_row, top_k_per_row_decode), each in
+// two forms: one CTA per row (indexer_topk.cuh) and one cluster per row (indexer_topk_cluster.cuh).
+// One launch each; no host synchronisation, no allocation, no scratch.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -9,6 +9,9 @@
 
 #include "sm90/indexer_topk.cuh"
 #include "sm90/indexer_topk.h"
+#include "sm90/indexer_topk_cluster.cuh"
+#include "sm90/indexer_topk_plan.h"
+#include "sm90/sm90_launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sparse_mla::indexer_topk {
@@ -49,18 +52,63 @@ ffi::Error CheckCommon(const char* op, const ffi::Buffer<ffi::F32>& logits,
   return ffi::Error::Success();
 }
 
-ffi::Error Launch(const char* op, const TopKParams& params, int64_t num_rows,
-                  cudaStream_t stream) {
+ffi::Error LaunchError(const char* op, cudaError_t status) {
+  return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op + " launch: " +
+                              cudaGetErrorString(status));
+}
+
+// One CTA per row.
+ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_rows,
+                        cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
   TopKPerRowKernel<<<static_cast<unsigned>(num_rows), kThreads, 0, stream>>>(params);
   const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) {
-    return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op + " launch: " +
-                                cudaGetErrorString(status));
-  }
-  return ffi::Error::Success();
+  return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
 }
 
+// One cluster per row.
+ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_rows,
+                         cudaStream_t stream) {
+  if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
+  int device = 0, num_sms = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) {
+    return LaunchError(op, status);
+  }
+  if (cudaError_t status = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
+      status != cudaSuccess) {
+    return LaunchError(op, status);
+  }
+  ClusterPlan plan;
+  if (!PlanCluster(num_rows, params.width, num_sms, &plan)) {
+    return ArgumentError(op, "rows of " + std::to_string(params.width) +
+                                 " positions do not fit one cluster's shared memory");
+  }
+  if (num_rows * plan.ctas > kInt32Max) {
+    return ArgumentError(op, "R x cluster size must be below 2^31");
+  }
+  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<TopKClusterKernel, kMaxClusterKeyBytes>();
+      status != cudaSuccess) {
+    return LaunchError(op, status);
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(num_rows * plan.ctas));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(plan.groups_capacity) * sizeof(uint4);
+  config.stream = stream;
+  cudaLaunchAttribute cluster;
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = static_cast<unsigned>(plan.ctas);
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  const cudaError_t status = cudaLaunchKernelEx(&config, TopKClusterKernel, params);
+  return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
+}
+
+using Launcher = ffi::Error (*)(const char*, const TopKParams&, int64_t, cudaStream_t);
+
+template <Launcher kLaunch>
 ffi::Error TopKPerRow(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,  // [R, S]
                       ffi::Buffer<ffi::S32> row_starts,                   // [R]
                       ffi::Buffer<ffi::S32> row_ends,                     // [R]
@@ -77,9 +125,10 @@ ffi::Error TopKPerRow(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,  // [R,
   }
   params.row_starts = row_starts.typed_data();
   params.row_ends = row_ends.typed_data();
-  return Launch(kOp, params, num_rows, stream);
+  return kLaunch(kOp, params, num_rows, stream);
 }
 
+template <Launcher kLaunch>
 ffi::Error TopKPerRowDecode(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,  // [B * next_n, S]
                             ffi::Buffer<ffi::S32> context_lens,                 // [B]
                             ffi::ResultBuffer<ffi::S32> out,                    // [B * next_n, k]
@@ -97,28 +146,41 @@ ffi::Error TopKPerRowDecode(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,  
   }
   params.context_lens = context_lens.typed_data();
   params.next_n = static_cast<int32_t>(next_n);
-  return Launch(kOp, params, num_rows, stream);
+  return kLaunch(kOp, params, num_rows, stream);
 }
 
 }  // namespace
 }  // namespace jax_sparse_mla::indexer_topk
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRow,
-                              jax_sparse_mla::indexer_topk::TopKPerRow,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // logits
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_starts
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_ends
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>(),  // out
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+#define JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING                             \
+  xla::ffi::Ffi::Bind()                                                 \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                    \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   /* logits */            \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   /* row_starts */        \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   /* row_ends */          \
+      .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   /* out */
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecode,
-                              jax_sparse_mla::indexer_topk::TopKPerRowDecode,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // logits
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // context_lens
-                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   // out
-                                  .Attr<int64_t>("next_n"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+#define JAX_SPARSE_MLA_TOPK_DECODE_BINDING                              \
+  xla::ffi::Ffi::Bind()                                                 \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                    \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   /* logits */            \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   /* context_lens */      \
+      .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   /* out */               \
+      .Attr<int64_t>("next_n")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSparseMlaSm90TopKPerRow,
+    jax_sparse_mla::indexer_topk::TopKPerRow<jax_sparse_mla::indexer_topk::LaunchPerRow>,
+    JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSparseMlaSm90TopKPerRowDecode,
+    jax_sparse_mla::indexer_topk::TopKPerRowDecode<jax_sparse_mla::indexer_topk::LaunchPerRow>,
+    JAX_SPARSE_MLA_TOPK_DECODE_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSparseMlaSm90TopKPerRowCluster,
+    jax_sparse_mla::indexer_topk::TopKPerRow<jax_sparse_mla::indexer_topk::LaunchCluster>,
+    JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxSparseMlaSm90TopKPerRowDecodeCluster,
+    jax_sparse_mla::indexer_topk::TopKPerRowDecode<jax_sparse_mla::indexer_topk::LaunchCluster>,
+    JAX_SPARSE_MLA_TOPK_DECODE_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});

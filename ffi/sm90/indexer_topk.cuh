@@ -130,56 +130,151 @@ __device__ __forceinline__ uint32_t BlockExclusiveSum(uint32_t value, uint32_t* 
   return before + inclusive - value;
 }
 
+// What the threads of a CTA agree on after each radix pass.
+struct Threshold {
+  uint32_t bin;    // the threshold bin of the current pass
+  uint32_t above;  // keys (matching the prefix) in higher bins
+  uint32_t count;  // keys in the threshold bin
+};
+
+// The radix select's state, the same in every thread: after the passes, a key is "above" when
+// (key & mask) > prefix and "tied" when (key & mask) == prefix; `remaining` is how many tied keys
+// are kept (all of them on an early exit, the first ones in position order otherwise).
+struct RadixState {
+  uint32_t prefix;
+  uint32_t mask;
+  uint32_t remaining;
+};
+
+// Digits of 11, 11 and 10 bits, most significant first.
+__device__ __forceinline__ int PassShift(int pass) { return pass == 0 ? 21 : (pass == 1 ? 10 : 0); }
+__device__ __forceinline__ uint32_t PassDigitMask(int pass) { return pass == 2 ? 0x3FFu : 0x7FFu; }
+
+// Ends radix pass `pass` from this thread's bin counts: counts[j] is the count (over the keys
+// matching the prefix) of bin kBins - 1 - (threadIdx.x * kBinsPerThread + j), so thread t owns
+// kBinsPerThread consecutive bins counted from the top and an exclusive prefix sum in thread order
+// counts the keys in higher bins. Exactly one bin b has above(b) < remaining <= above(b) + count(b):
+// remaining >= 1 and the matching keys number at least `remaining` (len > k on the first pass, the
+// previous threshold bin's count later). Appends b to the prefix; returns true when every key of
+// that bin is kept, so that the digits so far decide the selection. Every thread must call it (it
+// synchronises the CTA).
+__device__ __forceinline__ bool ChooseThresholdBin(const uint32_t (&counts)[kBinsPerThread],
+                                                   int pass, RadixState* state,
+                                                   uint32_t* warp_sums, Threshold* chosen) {
+  uint32_t owned = 0u;
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) owned += counts[j];
+  uint32_t total;
+  uint32_t above = BlockExclusiveSum(owned, warp_sums, &total);
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    if (above < state->remaining && above + counts[j] >= state->remaining) {
+      *chosen = Threshold{static_cast<uint32_t>(kBins - 1 - (threadIdx.x * kBinsPerThread + j)),
+                          above, counts[j]};
+    }
+    above += counts[j];
+  }
+  __syncthreads();
+  // No barrier after the read: the next call writes *chosen only after its block scan's barriers.
+  const Threshold threshold = *chosen;
+  state->remaining -= threshold.above;
+  state->prefix |= threshold.bin << PassShift(pass);
+  state->mask |= PassDigitMask(pass) << PassShift(pass);
+  return threshold.count == state->remaining;
+}
+
+// One chunk of the compaction in position order: this thread's kVec keys at positions
+// first + j (relative to the row start) are above the threshold or tied with it as the flags say.
+// A kept key's output slot is (kept above-threshold keys before it) + min(ties before it, needed);
+// *above_seen and *ties_seen count the keys before this chunk (the same in every thread) and are
+// advanced past it. Returns true once all k slots are written (no later key is kept). Every thread
+// must call it (it synchronises the CTA).
+__device__ __forceinline__ bool CompactChunk(const bool (&is_above)[kVec],
+                                             const bool (&is_tie)[kVec], int64_t first,
+                                             uint32_t needed, uint32_t want, uint32_t* above_seen,
+                                             uint32_t* ties_seen, uint32_t* warp_sums,
+                                             int32_t* out) {
+  uint32_t n_above = 0u, n_tie = 0u;
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    n_above += is_above[j];
+    n_tie += is_tie[j];
+  }
+  uint32_t chunk_total;
+  const uint32_t before = BlockExclusiveSum((n_above << 16) | n_tie, warp_sums, &chunk_total);
+  uint32_t above_before = *above_seen + (before >> 16);
+  uint32_t ties_before = *ties_seen + (before & 0xFFFFu);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) {
+    if (is_above[j] || (is_tie[j] && ties_before < needed)) {
+      const uint32_t slot = above_before + min(ties_before, needed);
+      // slot < k by construction; the test only guards memory if that reasoning were wrong.
+      if (slot < want) out[slot] = static_cast<int32_t>(first + j);
+    }
+    above_before += is_above[j];
+    ties_before += is_tie[j];
+  }
+  *above_seen += chunk_total >> 16;
+  *ties_seen += chunk_total & 0xFFFFu;
+  return *above_seen + min(*ties_seen, needed) >= want;
+}
+
 struct Shared {
   uint32_t hist[kBins];
   uint32_t warp_sums[kWarps];
-  uint32_t chosen_bin;    // the threshold bin of the current pass
-  uint32_t chosen_above;  // keys (matching the prefix) in higher bins
-  uint32_t chosen_count;  // keys in the threshold bin
+  Threshold chosen;
 };
 
-// One CTA per row (blockIdx.x). Prefill rows range over [row_starts[r], row_ends[r]); decode row
-// r = b * next_n + j over [0, context_lens[b] - next_n + j + 1); both clamped as the reference
-// clamps: start to [0, S], end to [start, S].
+// Row r's range [start, end) of logits positions: prefill rows over [row_starts[r], row_ends[r]),
+// decode row r = b * next_n + j over [0, context_lens[b] - next_n + j + 1); both clamped as the
+// reference clamps: start to [0, S], end to [start, S].
+__device__ __forceinline__ void RowBounds(const TopKParams& params, int64_t r, int32_t* start,
+                                          int32_t* end) {
+  if (params.context_lens != nullptr) {
+    *start = 0;
+    // int32 arithmetic with wrap-around, as the reference computes it in int32.
+    const uint32_t context = static_cast<uint32_t>(params.context_lens[r / params.next_n]);
+    *end = static_cast<int32_t>(context - static_cast<uint32_t>(params.next_n) + 1u +
+                                static_cast<uint32_t>(r % params.next_n));
+  } else {
+    *start = params.row_starts[r];
+    *end = params.row_ends[r];
+  }
+  *start = min(max(*start, 0), params.width);
+  *end = min(max(*end, *start), params.width);
+}
+
+// A row of len <= k positions: every position is chosen whatever its value, in order, then -1.
+// The calling threads write out[i] for i = first, first + stride, ... (int64: k may be close to
+// 2^31).
+__device__ __forceinline__ void WriteWholeRow(int32_t* out, int64_t len, int k, int64_t first,
+                                              int64_t stride) {
+  for (int64_t i = first; i < k; i += stride) out[i] = i < len ? static_cast<int32_t>(i) : -1;
+}
+
+// One CTA per row (blockIdx.x).
 __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams params) {
   __shared__ Shared smem;
   const int64_t r = blockIdx.x;
   int32_t start, end;
-  if (params.context_lens != nullptr) {
-    start = 0;
-    // int32 arithmetic with wrap-around, as the reference computes it in int32.
-    const uint32_t context = static_cast<uint32_t>(params.context_lens[r / params.next_n]);
-    end = static_cast<int32_t>(context - static_cast<uint32_t>(params.next_n) + 1u +
-                               static_cast<uint32_t>(r % params.next_n));
-  } else {
-    start = params.row_starts[r];
-    end = params.row_ends[r];
-  }
-  start = min(max(start, 0), params.width);
-  end = min(max(end, start), params.width);
+  RowBounds(params, r, &start, &end);
   const int64_t len = static_cast<int64_t>(end) - start;
   const int k = params.k;
   int32_t* out = params.out + r * k;
 
-  if (len <= k) {  // every position, in order, then -1 (block-uniform branch)
-    // int64 index: k may be close to 2^31.
-    for (int64_t i = threadIdx.x; i < k; i += kThreads) {
-      out[i] = i < len ? static_cast<int32_t>(i) : -1;
-    }
+  if (len <= k) {  // block-uniform branch
+    WriteWholeRow(out, len, k, threadIdx.x, kThreads);
     return;
   }
 
   const RowView row =
       MakeRowView(params.logits + r * static_cast<int64_t>(params.width) + start, len);
 
-  // Radix select: after the passes, a key is "above" when (key & mask) > prefix and "tied" when
-  // (key & mask) == prefix; `remaining` is how many tied keys are kept (all of them on an early
-  // exit, the first ones in position order otherwise).
-  uint32_t prefix = 0u, mask = 0u, remaining = static_cast<uint32_t>(k);
+  RadixState state{0u, 0u, static_cast<uint32_t>(k)};
 #pragma unroll 1
   for (int pass = 0; pass < kNumPasses; ++pass) {
-    const int shift = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
-    const uint32_t digit_mask = pass == 2 ? 0x3FFu : 0x7FFu;
+    const int shift = PassShift(pass);
+    const uint32_t digit_mask = PassDigitMask(pass);
     for (int i = threadIdx.x; i < kBins; i += kThreads) smem.hist[i] = 0u;
     __syncthreads();
 #pragma unroll 2
@@ -191,50 +286,22 @@ __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const uint32_t key = OrderKey(v[j]);
-        if (valid[j] && (key & mask) == prefix) {
+        if (valid[j] && (key & state.mask) == state.prefix) {
           atomicAdd(&smem.hist[(key >> shift) & digit_mask], 1u);
         }
       }
     }
     __syncthreads();
-
-    // Thread t owns kBinsPerThread consecutive bins counted from the top, so an exclusive prefix
-    // sum in thread order counts the keys in higher bins. Exactly one bin b has
-    // above(b) < remaining <= above(b) + hist[b]: remaining >= 1 and the matching keys number at
-    // least `remaining` (len > k on the first pass, the previous threshold bin's count later).
     uint32_t counts[kBinsPerThread];
-    uint32_t owned = 0u;
 #pragma unroll
     for (int j = 0; j < kBinsPerThread; ++j) {
       counts[j] = smem.hist[kBins - 1 - (threadIdx.x * kBinsPerThread + j)];
-      owned += counts[j];
     }
-    uint32_t total;
-    uint32_t above = BlockExclusiveSum(owned, smem.warp_sums, &total);
-#pragma unroll
-    for (int j = 0; j < kBinsPerThread; ++j) {
-      if (above < remaining && above + counts[j] >= remaining) {
-        smem.chosen_bin = kBins - 1 - (threadIdx.x * kBinsPerThread + j);
-        smem.chosen_above = above;
-        smem.chosen_count = counts[j];
-      }
-      above += counts[j];
-    }
-    __syncthreads();
-    const uint32_t bin = smem.chosen_bin;
-    const uint32_t count = smem.chosen_count;
-    remaining -= smem.chosen_above;
-    prefix |= bin << shift;
-    mask |= digit_mask << shift;
-    // Every key of the threshold bin is kept: the digits so far decide the selection.
-    if (count == remaining) break;
+    if (ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen)) break;
   }
 
-  // Compaction in position order. Output slot of a kept key = kept above-threshold keys before it
-  // + min(ties before it, remaining).
-  const uint32_t needed = remaining;
-  const uint32_t want = static_cast<uint32_t>(k);
-  uint32_t above_seen = 0u, ties_seen = 0u;  // over the previous chunks (block-uniform)
+  // Compaction in position order, a chunk of kThreads groups at a time.
+  uint32_t above_seen = 0u, ties_seen = 0u;
 #pragma unroll 1
   for (int64_t base = 0; base < row.groups; base += kThreads) {
     const int64_t g = base + threadIdx.x;
@@ -243,33 +310,16 @@ __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams
     int64_t first = 0;
     if (g < row.groups) LoadGroup(row, g, v, valid, first);
     bool is_above[kVec], is_tie[kVec];
-    uint32_t n_above = 0u, n_tie = 0u;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const uint32_t masked = valid[j] ? (OrderKey(v[j]) & mask) : 0u;
-      is_above[j] = valid[j] && masked > prefix;
-      is_tie[j] = valid[j] && masked == prefix;
-      n_above += is_above[j];
-      n_tie += is_tie[j];
+      const uint32_t masked = valid[j] ? (OrderKey(v[j]) & state.mask) : 0u;
+      is_above[j] = valid[j] && masked > state.prefix;
+      is_tie[j] = valid[j] && masked == state.prefix;
     }
-    uint32_t chunk_total;
-    const uint32_t before =
-        BlockExclusiveSum((n_above << 16) | n_tie, smem.warp_sums, &chunk_total);
-    uint32_t above_before = above_seen + (before >> 16);
-    uint32_t ties_before = ties_seen + (before & 0xFFFFu);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      if (is_above[j] || (is_tie[j] && ties_before < needed)) {
-        const uint32_t slot = above_before + min(ties_before, needed);
-        // slot < k by construction; the test only guards memory if that reasoning were wrong.
-        if (slot < want) out[slot] = static_cast<int32_t>(first + j);
-      }
-      above_before += is_above[j];
-      ties_before += is_tie[j];
+    if (CompactChunk(is_above, is_tie, first, state.remaining, static_cast<uint32_t>(k),
+                     &above_seen, &ties_seen, smem.warp_sums, out)) {
+      break;
     }
-    above_seen += chunk_total >> 16;
-    ties_seen += chunk_total & 0xFFFFu;
-    if (above_seen + min(ties_seen, needed) >= want) break;  // all k slots written
   }
 }
 

@@ -14,6 +14,12 @@ read as aligned float4 groups whatever the row start.
 
 Both kernels passed their GPU tests on an H200 (tests/kernels/test_sm90_indexer_topk_gpu.py,
 memcheck and command buffers included): implementation="auto" runs them on SM90.
+
+The cluster form (`ffi/sm90/indexer_topk_cluster.cuh`, kernel name "sm90_topk_cluster") gives the
+same array with one row spread over a thread-block cluster of up to 8 CTAs, the row read once into
+shared memory and every pass run there (rows of at most MAX_CLUSTER_WIDTH positions). It has not
+run on a GPU yet (`validated=False`): implementation="native" runs it where it fits, "auto" passes
+it over.
 """
 
 from __future__ import annotations
@@ -26,9 +32,17 @@ from . import native, registry
 
 TARGET = "jax_sparse_mla_sm90_top_k_per_row"
 TARGET_DECODE = "jax_sparse_mla_sm90_top_k_per_row_decode"
+TARGET_CLUSTER = "jax_sparse_mla_sm90_top_k_per_row_cluster"
+TARGET_DECODE_CLUSTER = "jax_sparse_mla_sm90_top_k_per_row_decode_cluster"
 # The kernel indexes rows with the grid's x dimension and holds positions, the width S and k as
 # int32 (the handler rejects anything larger).
 MAX_DIM = 2**31 - 1
+# The cluster form (ffi/sm90/indexer_topk_plan.h): up to kMaxClusterSize = 8 CTAs per row, each
+# holding at most kMaxClusterKeyBytes / 16 = 10240 float4 groups of keys; a row of S positions spans
+# up to ceil((S + 3) / 4) groups. Its grid has R x (up to 8) CTAs.
+MAX_CLUSTER_SIZE = 8
+MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * 10240 * 4 - 3
+MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
 
 
 def check_problem(problem: registry.IndexerProblem,
@@ -55,49 +69,72 @@ def check_problem(problem: registry.IndexerProblem,
     return None
 
 
+def check_cluster_problem(problem: registry.IndexerProblem,
+                          capability: tuple[int, int] | None = None) -> str | None:
+    """None when the cluster form takes this top-k call, else why not (check_problem's rules, and
+    rows that fit a cluster's shared memory)."""
+    reason = check_problem(problem, capability)
+    if reason is not None:
+        return reason
+    if problem.num_keys > MAX_CLUSTER_WIDTH:
+        return (f"S (logits width) {problem.num_keys} exceeds the {MAX_CLUSTER_WIDTH} positions "
+                f"that a cluster's shared memory holds")
+    if problem.num_rows > MAX_CLUSTER_ROWS:
+        return f"R (rows) must be at most {MAX_CLUSTER_ROWS}, got {problem.num_rows}"
+    return None
+
+
 def _empty(num_rows: int, k: int) -> jax.Array:
     return jnp.full((num_rows, k), -1, jnp.int32)
 
 
-def _top_k_per_row(logits: jax.Array, row_starts: jax.Array, row_ends: jax.Array, *,
-                   k: int) -> jax.Array:
-    """logits f32 [R, S], row_starts / row_ends int32 [R] -> int32 [R, k] (contract:
-    ops.indexer.top_k_per_row)."""
-    num_rows, width = logits.shape
-    if num_rows == 0 or width == 0:  # nothing to read; the reference's answer, no launch
-        return _empty(num_rows, k)
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
-                            vmap_method="sequential")
-    return call(logits, row_starts, row_ends)
+def _per_row_fn(target: str):
+    def top_k_per_row(logits: jax.Array, row_starts: jax.Array, row_ends: jax.Array, *,
+                      k: int) -> jax.Array:
+        """logits f32 [R, S], row_starts / row_ends int32 [R] -> int32 [R, k] (contract:
+        ops.indexer.top_k_per_row)."""
+        num_rows, width = logits.shape
+        if num_rows == 0 or width == 0:  # nothing to read; the reference's answer, no launch
+            return _empty(num_rows, k)
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                                vmap_method="sequential")
+        return call(logits, row_starts, row_ends)
+
+    return top_k_per_row
 
 
-def _top_k_per_row_decode(logits: jax.Array, context_lens: jax.Array, *, next_n: int,
-                          k: int) -> jax.Array:
-    """logits f32 [B * next_n, S], context_lens int32 [B] -> int32 [B * next_n, k] (contract:
-    ops.indexer.top_k_per_row_decode)."""
-    num_rows, width = logits.shape
-    if num_rows == 0 or width == 0:
-        return _empty(num_rows, k)
-    call = jax.ffi.ffi_call(TARGET_DECODE, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
-                            vmap_method="sequential")
-    return call(logits, context_lens, next_n=np.int64(next_n))
+def _decode_fn(target: str):
+    def top_k_per_row_decode(logits: jax.Array, context_lens: jax.Array, *, next_n: int,
+                             k: int) -> jax.Array:
+        """logits f32 [B * next_n, S], context_lens int32 [B] -> int32 [B * next_n, k] (contract:
+        ops.indexer.top_k_per_row_decode)."""
+        num_rows, width = logits.shape
+        if num_rows == 0 or width == 0:
+            return _empty(num_rows, k)
+        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                                vmap_method="sequential")
+        return call(logits, context_lens, next_n=np.int64(next_n))
+
+    return top_k_per_row_decode
 
 
-registry.register_op_kernel(registry.OpKernel(
-    op="top_k_per_row",
-    name="sm90_topk",
-    native=True,
-    capability_majors=(9,),
-    fn=_top_k_per_row,
-    available=lambda: native.has_target(TARGET),
-    check=check_problem,
-))
-registry.register_op_kernel(registry.OpKernel(
-    op="top_k_per_row_decode",
-    name="sm90_topk",
-    native=True,
-    capability_majors=(9,),
-    fn=_top_k_per_row_decode,
-    available=lambda: native.has_target(TARGET_DECODE),
-    check=check_problem,
-))
+def _register(name: str, check, validated: bool, target: str, target_decode: str) -> None:
+    for op, fn in (("top_k_per_row", _per_row_fn(target)),
+                   ("top_k_per_row_decode", _decode_fn(target_decode))):
+        op_target = target if op == "top_k_per_row" else target_decode
+        registry.register_op_kernel(registry.OpKernel(
+            op=op,
+            name=name,
+            native=True,
+            capability_majors=(9,),
+            fn=fn,
+            available=lambda op_target=op_target: native.has_target(op_target),
+            check=check,
+            validated=validated,
+        ))
+
+
+_register("sm90_topk", check_problem, True, TARGET, TARGET_DECODE)
+# Registered later, so implementation="native" prefers the cluster form where it fits.
+_register("sm90_topk_cluster", check_cluster_problem, False, TARGET_CLUSTER,
+          TARGET_DECODE_CLUSTER)

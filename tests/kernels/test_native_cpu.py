@@ -32,6 +32,8 @@ FAMILY_TARGETS = {
         "jax_sparse_mla_sm90_mqa_logits",
         "jax_sparse_mla_sm90_top_k_per_row",
         "jax_sparse_mla_sm90_top_k_per_row_decode",
+        "jax_sparse_mla_sm90_top_k_per_row_cluster",
+        "jax_sparse_mla_sm90_top_k_per_row_decode_cluster",
     },
     "sm100": {"jax_sparse_mla_trtllm_gen_decode"},
     "sm120": {"jax_sparse_mla_sm120_decode"},

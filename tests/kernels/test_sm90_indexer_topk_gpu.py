@@ -1,8 +1,9 @@
-"""GPU tests of the SM90 indexer top-k kernels (ffi/sm90/indexer_topk.cuh, behind
-kernels/sm90_indexer_topk.py).
+"""GPU tests of the SM90 indexer top-k kernels (ffi/sm90/indexer_topk.cuh, one CTA per row, and
+ffi/sm90/indexer_topk_cluster.cuh, one cluster per row; behind kernels/sm90_indexer_topk.py).
 
-Every case compares implementation="native" with the pure-JAX reference (implementation="xla") on
-the same GPU and asserts the two int32 arrays are identical (np.array_equal): the rule leaves no
+Every case runs each kernel (KERNELS, called through its registered binding, since
+implementation="native" picks only the preferred one) and compares it with the pure-JAX reference
+(implementation="xla") on the same GPU and asserts the two int32 arrays are identical (np.array_equal): the rule leaves no
 freedom (NaN below every number, -0.0 == +0.0, ties to the lower position, ascending positions,
 then -1). The data cycles through the hard cases of the rule row by row (heavy ties, vLLM's
 "10LSBits" rows, all-equal rows, NaN rows and scattered NaN, -inf, +inf, signed zeros, subnormals)
@@ -15,6 +16,7 @@ compiled extension; JAX_SPARSE_MLA_REQUIRE_GPU=1 turns that skip into a failure.
 
 from __future__ import annotations
 
+import functools
 import textwrap
 
 import jax
@@ -29,8 +31,21 @@ from reference import top_k_np
 from requirements import gpu_test_marks, sm90_skip_reason
 
 
-SKIP_REASON = sm90_skip_reason(sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE)
+SKIP_REASON = sm90_skip_reason(
+    sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE, sm90_indexer_topk.TARGET_CLUSTER,
+    sm90_indexer_topk.TARGET_DECODE_CLUSTER)
 pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 top-k tests")
+
+KERNELS = ("sm90_topk", "sm90_topk_cluster")
+
+
+@functools.cache
+def kernel_fn(op: str, name: str):
+    """The registered native kernel `name` of `op`, jitted: its binding takes the public function's
+    checked arguments (logits, row_starts, row_ends, k= / logits, context_lens, next_n=, k=)."""
+    kernel = next(k for k in registry.registered_op_kernels(op) if k.name == name)
+    static = ("k",) if op == "top_k_per_row" else ("next_n", "k")
+    return jax.jit(kernel.fn, static_argnames=static)
 
 NUM_CASES = 12
 
@@ -129,27 +144,28 @@ def numpy_rows(logits, starts, ends, k: int) -> np.ndarray:
     return np.stack([top_k_np(row, s, e, k) for row, s, e in zip(np.asarray(logits), starts, ends)])
 
 
-def check_rows(num_rows: int, width: int, k: int, *, seed: int = 0, jit: bool = True,
+def check_rows(num_rows: int, width: int, k: int, kernel: str, *, seed: int = 0,
                numpy_reference: bool = False):
     rng = np.random.default_rng(seed + 31 * num_rows + width + k)
     logits = jnp.asarray(hard_rows(rng, num_rows, width))
     starts, ends = hard_ranges(rng, num_rows, width, k)
-    fn = _top_k if jit else jsm.top_k_per_row
-    native_out = fn(logits, jnp.asarray(starts), jnp.asarray(ends), k=k, implementation="native")
+    native_out = kernel_fn("top_k_per_row", kernel)(logits, jnp.asarray(starts),
+                                                    jnp.asarray(ends), k=k)
     if numpy_reference:
         reference = numpy_rows(logits, starts, ends, k)
     else:
-        reference = fn(logits, jnp.asarray(starts), jnp.asarray(ends), k=k, implementation="xla")
+        reference = _top_k(logits, jnp.asarray(starts), jnp.asarray(ends), k=k,
+                           implementation="xla")
     assert_identical(native_out, reference, (num_rows, k))
 
 
-def check_decode(context_lens, width: int, next_n: int, k: int, *, seed: int = 0,
+def check_decode(context_lens, width: int, next_n: int, k: int, kernel: str, *, seed: int = 0,
                  numpy_reference: bool = False):
     context_lens = np.asarray(context_lens, np.int32)
     rng = np.random.default_rng(seed + width + next_n + k + len(context_lens))
     logits = jnp.asarray(hard_rows(rng, len(context_lens) * next_n, width))
     lens = jnp.asarray(context_lens)
-    native_out = _top_k_decode(logits, lens, next_n=next_n, k=k, implementation="native")
+    native_out = kernel_fn("top_k_per_row_decode", kernel)(logits, lens, next_n=next_n, k=k)
     if numpy_reference:
         # Row b * next_n + j ranges over [0, L_b - next_n + j + 1), in int32 as the op computes it.
         ends = (np.repeat(context_lens, next_n) - next_n + 1
@@ -160,10 +176,13 @@ def check_decode(context_lens, width: int, next_n: int, k: int, *, seed: int = 0
     assert_identical(native_out, reference, (len(context_lens) * next_n, k))
 
 
-def test_native_selects_this_kernel():
+def test_native_prefers_the_cluster_form_where_it_fits():
     for op, args in (("top_k_per_row", {}), ("top_k_per_row_decode", dict(batch=4, next_n=2))):
-        problem = registry.IndexerProblem(op, num_rows=8, num_keys=4096, top_k=2048, **args)
-        assert registry.select_op_kernel(op, "native", problem).name == "sm90_topk"
+        for width, name in ((4096, "sm90_topk_cluster"),
+                            (sm90_indexer_topk.MAX_CLUSTER_WIDTH, "sm90_topk_cluster"),
+                            (sm90_indexer_topk.MAX_CLUSTER_WIDTH + 1, "sm90_topk")):
+            problem = registry.IndexerProblem(op, num_rows=8, num_keys=width, top_k=2048, **args)
+            assert registry.select_op_kernel(op, "native", problem).name == name
 
 
 # (rows, width, k): widths up to 131072, batches 1 to 256, odd widths (every row start has its own
@@ -175,13 +194,21 @@ ROW_GRID = [
 ]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_rows,width,k", ROW_GRID)
-def test_top_k_per_row_matches_pure_jax(num_rows, width, k):
-    check_rows(num_rows, width, k)
+def test_top_k_per_row_matches_pure_jax(num_rows, width, k, kernel):
+    check_rows(num_rows, width, k, kernel)
 
 
-def test_top_k_per_row_large_batch_long_rows():
-    check_rows(256, 131072, 2048, seed=1)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_top_k_per_row_large_batch_long_rows(kernel):
+    check_rows(256, 131072, 2048, kernel, seed=1)
+
+
+@pytest.mark.parametrize("num_rows,width", [(1, 262144), (2, 327677), (1, 327677)])
+def test_cluster_form_at_its_widest_rows(num_rows, width):
+    """The widest rows a cluster holds (8 CTAs, their shared memory full), every lead."""
+    check_rows(num_rows, width, 2048, "sm90_topk_cluster")
 
 
 @pytest.mark.parametrize("num_rows,width", [(24, 131072), (48, 8192), (12, 3001)])
@@ -198,12 +225,18 @@ def test_pure_jax_matches_numpy_on_this_gpu(num_rows, width):
 
 
 def test_eager_calls_match():
-    check_rows(24, 9000, 2048, jit=False)
+    rng = np.random.default_rng(24)
+    logits = jnp.asarray(hard_rows(rng, 24, 9000))
+    starts, ends = (jnp.asarray(x) for x in hard_ranges(rng, 24, 9000, 2048))
+    out = jsm.top_k_per_row(logits, starts, ends, k=2048, implementation="native")
+    reference = jsm.top_k_per_row(logits, starts, ends, k=2048, implementation="xla")
+    assert_identical(out, reference, (24, 2048))
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("next_n", [1, 2])
 @pytest.mark.parametrize("batch,width", [(1, 131072), (64, 32768), (256, 8192)])
-def test_decode_matches_pure_jax(batch, width, next_n):
+def test_decode_matches_pure_jax(batch, width, next_n, kernel):
     rng = np.random.default_rng(batch + next_n)
     if batch == 1:  # the long-context latency case: one request over the whole width
         lens = np.array([width])
@@ -211,16 +244,17 @@ def test_decode_matches_pure_jax(batch, width, next_n):
         special = [0, 1, next_n - 1, 2047, 2048, 2049, 2048 + next_n, width, width - 1, 4099]
         lens = rng.integers(0, width + 1, batch)
         lens[:len(special)] = special
-    check_decode(np.clip(lens, 0, width), width, next_n, 2048)
+    check_decode(np.clip(lens, 0, width), width, next_n, 2048, kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("next_n", [1, 2])
-def test_decode_short_and_negative_contexts(next_n):
+def test_decode_short_and_negative_contexts(next_n, kernel):
     """Lengths <= 0 (padding requests) give -1 rows; int32 wrap-around of L - next_n + j + 1 is
     computed as the reference computes it."""
     lens = [0, -1, -5, 1, 2, 100, 2048, 2049, 3000, -2**31, 3001]
-    check_decode(lens, 3001, next_n, 2048)
-    check_decode(lens, 3001, next_n, 16)
+    check_decode(lens, 3001, next_n, 2048, kernel)
+    check_decode(lens, 3001, next_n, 16, kernel)
 
 
 def test_jit_lowers_to_the_custom_calls_and_vmap_runs_per_element():
@@ -229,23 +263,25 @@ def test_jit_lowers_to_the_custom_calls_and_vmap_runs_per_element():
     starts = jnp.zeros((3, 8), jnp.int32)
     ends = jnp.asarray(rng.integers(0, 5001, (3, 8)), jnp.int32)
     step = jax.jit(lambda l, s, e: jsm.top_k_per_row(l, s, e, k=2048, implementation="native"))
-    assert sm90_indexer_topk.TARGET in step.lower(logits[0], starts[0], ends[0]).as_text()
+    # implementation="native" prefers the cluster form.
+    assert sm90_indexer_topk.TARGET_CLUSTER in step.lower(logits[0], starts[0], ends[0]).as_text()
     batched = jax.vmap(step)(logits, starts, ends)
     for b in range(3):
         reference = jsm.top_k_per_row(logits[b], starts[b], ends[b], k=2048, implementation="xla")
         assert_identical(batched[b], reference, (8, 2048))
     decode = jax.jit(lambda l, c: jsm.top_k_per_row_decode(l, c, next_n=2, k=64,
                                                             implementation="native"))
-    assert sm90_indexer_topk.TARGET_DECODE in decode.lower(
+    assert sm90_indexer_topk.TARGET_DECODE_CLUSTER in decode.lower(
         logits[0], jnp.full((4,), 100, jnp.int32)).as_text()
 
 
 MEMCHECK_GRID = [(5, 3001, 64), (13, 20001, 2048), (12, 100, 2048)]
 MEMCHECK_SCRIPT = textwrap.dedent("""
     import test_sm90_indexer_topk_gpu as cases
-    for shape in cases.MEMCHECK_GRID:
-        cases.check_rows(*shape, numpy_reference=True)
-    cases.check_decode([0, 1, 3000, 2049, -3], 3001, 2, 2048, numpy_reference=True)
+    for kernel in cases.KERNELS:
+        for shape in cases.MEMCHECK_GRID:
+            cases.check_rows(*shape, kernel, numpy_reference=True)
+        cases.check_decode([0, 1, 3000, 2049, -3], 3001, 2, 2048, kernel, numpy_reference=True)
     print("MEMCHECK GRID PASSED")
 """)
 
@@ -282,7 +318,8 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
         return jax.jit(run)(logits, starts, ends, lens)
 
     same = bool((loop("native") == loop("xla")).all())
-    targets = (sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE)
+    targets = (sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE,
+               sm90_indexer_topk.TARGET_CLUSTER, sm90_indexer_topk.TARGET_DECODE_CLUSTER)
     # Every kCustomCall thunk of the modules that hold our targets must sit below a
     # kCommandBuffer thunk in the dumped thunk sequences.
     from gpu_subprocess import custom_calls_in_command_buffers

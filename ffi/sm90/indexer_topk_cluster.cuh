@@ -1,0 +1,196 @@
+// The lightning indexer's top-k with one row spread over a thread-block cluster (SM90): the same
+// exact radix select and ordered compaction as indexer_topk.cuh, the same array bit for bit, but
+// the row is read from global memory once, by every CTA of its cluster, and the passes run over
+// keys held in shared memory.
+//
+// Why: one CTA per row leaves most SMs idle at small batch (one 131072-wide row: 1 of 132 SMs) and
+// rereads the row from global memory or L2 in each of its up to four passes. Here a row of len
+// positions is split into C contiguous chunks, one per CTA of a cluster of C (1 to 8, chosen on the
+// host from the static shape R x S by PlanCluster in indexer_topk_plan.h, so that R x C CTAs cover
+// the SMs while every chunk still fits in shared memory; the chunk boundaries follow each row's
+// actual length on the device). Per CTA:
+//
+//  1. load: its chunk's float4 groups become order-preserving keys (OrderKey) in shared memory,
+//     and the first pass's histogram is built while they arrive;
+//  2. radix passes (11, 11, 10 bits): each CTA histograms its own keys; one cluster barrier; every
+//     CTA sums the C histograms through distributed shared memory (each thread its 4 bins from each
+//     CTA) and finds the same threshold bin, so all CTAs agree without a second barrier. Histograms
+//     are double-buffered: a CTA clears the buffer of the next pass right after the barrier, when
+//     every CTA has finished reading it;
+//  3. compaction: each CTA counts its keys above the threshold and tied with it; one cluster
+//     barrier; each CTA sums the counts of the CTAs before it (lower positions), which is where its
+//     kept positions start in the output, then writes them in position order exactly as the
+//     one-CTA kernel does (ties kept up to `needed` in position order across the whole row).
+//
+// A row of at most k positions writes 0 .. len - 1 and then -1 without reading its logits, each CTA
+// a share of the k slots. The kernel never leaves a CTA's shared memory to be read after it exits:
+// the last remote read (the counts) is followed by a cluster arrive, and each CTA waits on that
+// barrier before it returns.
+#pragma once
+
+#include <cooperative_groups.h>
+
+#include <cstdint>
+
+#include "sm90/indexer_topk.cuh"
+#include "sm90/indexer_topk_plan.h"
+
+namespace jax_sparse_mla::indexer_topk {
+
+static_assert(kGroupPositions == kVec, "the plan counts the kernel's float4 groups");
+
+struct alignas(16) ClusterShared {
+  uint32_t hist[2][kBins];  // pass p uses hist[p % 2]; read as uint4 by other CTAs
+  uint32_t warp_sums[kWarps];
+  Threshold chosen;
+  uint32_t kept_above;  // this CTA's keys above the threshold, read by the CTAs after it
+  uint32_t kept_ties;   // this CTA's keys tied with the threshold, likewise
+};
+
+// grid (R * C), clusters of C along x: cluster r selects row r; dynamic shared memory of
+// 16 * groups_capacity bytes, groups_capacity >= ceil(groups / C) for every row (the host's plan).
+__global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParams params) {
+  namespace cg = cooperative_groups;
+  __shared__ ClusterShared smem;
+  extern __shared__ uint4 key_groups[];  // [groups_capacity]: key_groups[j] = group g_begin + j
+  const uint32_t* keys = reinterpret_cast<const uint32_t*>(key_groups);
+  const cg::cluster_group cluster = cg::this_cluster();
+  const uint32_t rank = cluster.block_rank();
+  const uint32_t ctas = cluster.num_blocks();
+  const int64_t r = blockIdx.x / ctas;
+  int32_t start, end;
+  RowBounds(params, r, &start, &end);
+  const int64_t len = static_cast<int64_t>(end) - start;
+  const int k = params.k;
+  int32_t* out = params.out + r * k;
+
+  if (len <= k) {  // cluster-uniform: every CTA of the row returns here, none reads another
+    WriteWholeRow(out, len, k, static_cast<int64_t>(rank) * kThreads + threadIdx.x,
+                  static_cast<int64_t>(ctas) * kThreads);
+    return;
+  }
+
+  // This CTA's groups [g_begin, g_begin + n_groups) of the row's float4 groups; its key slot s
+  // holds position first_position + s, and the slots [lo, hi) are in the row.
+  const RowView row =
+      MakeRowView(params.logits + r * static_cast<int64_t>(params.width) + start, len);
+  const int64_t per_cta = (row.groups + ctas - 1) / ctas;
+  const int64_t g_begin = min(static_cast<int64_t>(rank) * per_cta, row.groups);
+  const int n_groups = static_cast<int>(min(per_cta, row.groups - g_begin));
+  const int64_t first_position = g_begin * kVec - row.lead;
+  const int lo = static_cast<int>(max(int64_t{0}, -first_position));
+  const int hi = static_cast<int>(
+      max(int64_t{0}, min(static_cast<int64_t>(n_groups) * kVec, len - first_position)));
+
+  // hist[1] is cleared after the first pass's barrier, like every next pass's buffer.
+  for (int i = threadIdx.x; i < kBins; i += kThreads) smem.hist[0][i] = 0u;
+  __syncthreads();
+
+  // 1. Load, and the first pass's histogram (no prefix to match yet). Slots outside the row hold
+  // 0 and are never read.
+#pragma unroll 2
+  for (int j = threadIdx.x; j < n_groups; j += kThreads) {
+    float v[kVec];
+    bool valid[kVec];
+    int64_t first;
+    LoadGroup(row, g_begin + j, v, valid, first);
+    uint32_t key[kVec];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      key[e] = valid[e] ? OrderKey(v[e]) : 0u;
+      if (valid[e]) atomicAdd(&smem.hist[0][key[e] >> PassShift(0)], 1u);
+    }
+    key_groups[j] = make_uint4(key[0], key[1], key[2], key[3]);
+  }
+
+  // 2. Radix passes over the cluster's histograms.
+  RadixState state{0u, 0u, static_cast<uint32_t>(k)};
+  // This thread's kBinsPerThread bins, counted from the top, are [lowest_bin, lowest_bin + 4).
+  static_assert(kBinsPerThread == 4, "a thread reads its bins as one uint4");
+  const int lowest_bin = kBins - kBinsPerThread * (threadIdx.x + 1);
+#pragma unroll 1
+  for (int pass = 0; pass < kNumPasses; ++pass) {
+    uint32_t* hist = smem.hist[pass & 1];
+    if (pass > 0) {
+      const int shift = PassShift(pass);
+      const uint32_t digit_mask = PassDigitMask(pass);
+#pragma unroll 4
+      for (int s = lo + threadIdx.x; s < hi; s += kThreads) {
+        const uint32_t key = keys[s];
+        if ((key & state.mask) == state.prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+      }
+    }
+    cluster.sync();  // every CTA's histogram of this pass is complete and visible
+    if (pass + 1 < kNumPasses) {
+      // Every CTA read the other buffer (the previous pass's) before arriving at the barrier.
+      uint32_t* next = smem.hist[(pass + 1) & 1];
+      for (int i = threadIdx.x; i < kBins; i += kThreads) next[i] = 0u;
+    }
+    uint32_t counts[kBinsPerThread] = {0u, 0u, 0u, 0u};
+    for (uint32_t q = 0; q < ctas; ++q) {
+      const uint4 c = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist + lowest_bin, q));
+      counts[0] += c.w;  // bin lowest_bin + 3 = kBins - 1 - 4 t
+      counts[1] += c.z;
+      counts[2] += c.y;
+      counts[3] += c.x;
+    }
+    // The same sums in every CTA, so every CTA chooses the same bin and exits at the same pass.
+    if (ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen)) break;
+  }
+
+  // 3. Compaction. This CTA's counts, published for the CTAs after it.
+  auto classify = [&](int j, bool (&is_above)[kVec], bool (&is_tie)[kVec]) {
+    const uint4 group = j < n_groups ? key_groups[j] : make_uint4(0u, 0u, 0u, 0u);
+    const uint32_t key[kVec] = {group.x, group.y, group.z, group.w};
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      const int s = j * kVec + e;
+      const bool in_row = s >= lo && s < hi;
+      const uint32_t masked = key[e] & state.mask;
+      is_above[e] = in_row && masked > state.prefix;
+      is_tie[e] = in_row && masked == state.prefix;
+    }
+  };
+  uint32_t n_above = 0u, n_tie = 0u;
+  for (int j = threadIdx.x; j < n_groups; j += kThreads) {
+    bool is_above[kVec], is_tie[kVec];
+    classify(j, is_above, is_tie);
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) {
+      n_above += is_above[e];
+      n_tie += is_tie[e];
+    }
+  }
+  uint32_t total_above, total_ties;
+  BlockExclusiveSum(n_above, smem.warp_sums, &total_above);
+  BlockExclusiveSum(n_tie, smem.warp_sums, &total_ties);
+  if (threadIdx.x == 0) {
+    smem.kept_above = total_above;
+    smem.kept_ties = total_ties;
+  }
+  cluster.sync();
+  uint32_t above_seen = 0u, ties_seen = 0u;  // in the CTAs before this one
+  for (uint32_t q = 0; q < rank; ++q) {
+    above_seen += *cluster.map_shared_rank(&smem.kept_above, q);
+    ties_seen += *cluster.map_shared_rank(&smem.kept_ties, q);
+  }
+  // The last read of another CTA's shared memory: CTAs may leave once everyone has arrived.
+  cluster.barrier_arrive();
+
+  const uint32_t want = static_cast<uint32_t>(k);
+  if (above_seen + min(ties_seen, state.remaining) < want) {
+#pragma unroll 1
+    for (int base = 0; base < n_groups; base += kThreads) {
+      bool is_above[kVec], is_tie[kVec];
+      classify(base + threadIdx.x, is_above, is_tie);
+      const int64_t first = first_position + static_cast<int64_t>(base + threadIdx.x) * kVec;
+      if (CompactChunk(is_above, is_tie, first, state.remaining, want, &above_seen, &ties_seen,
+                       smem.warp_sums, out)) {
+        break;
+      }
+    }
+  }
+  cluster.barrier_wait();
+}
+
+}  // namespace jax_sparse_mla::indexer_topk

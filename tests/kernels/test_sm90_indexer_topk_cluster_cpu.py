@@ -1,0 +1,292 @@
+"""CPU tests of the cluster form of the SM90 top-k (ffi/sm90/indexer_topk_cluster.cuh, kernel name
+"sm90_topk_cluster"), before and beside its GPU tests:
+
+* a NumPy model of the kernel's algorithm, step for step (the float4 groups with the row start's
+  lead, the split into C chunks, the per-CTA histograms summed over the cluster, the threshold bin
+  of each pass and the early exit, the per-CTA counts that place each CTA's output, the ordered
+  compaction), against the float64 NumPy rule (tests/reference.py) on adversarial rows for every
+  cluster size and lead;
+* the host plan (ffi/sm90/indexer_topk_plan.h, compiled from that header as host C++): every row
+  fits the chunks it is given, and it accepts exactly the widths the Python check accepts;
+* the registration: not validated (so "auto" passes it over), preferred by "native" where it fits,
+  the check's limits, and the custom calls it lowers to on a faked SM90 device.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_sparse_mla as jsm
+from jax_sparse_mla.kernels import native, registry, sm90_indexer_topk as topk
+from jax_sparse_mla.kernels.registry import IndexerProblem
+from reference import top_k_np
+
+FFI_DIR = pathlib.Path(__file__).resolve().parents[2] / "ffi"
+BINS, PASSES = 2048, ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))
+
+
+# --- the NumPy model of the kernel -----------------------------------------------------------------
+
+def order_keys(values: np.ndarray) -> np.ndarray:
+    """OrderKey: float32 -> uint32 in the selection order (NaN -> 1, -0.0 -> +0.0's key)."""
+    bits = np.asarray(values, np.float32).view(np.uint32).copy()
+    bits[bits == 0x80000000] = 0
+    keys = np.where(bits & 0x80000000, ~bits, bits | 0x80000000).astype(np.uint32)
+    return np.where((bits & 0x7FFFFFFF) > 0x7F800000, np.uint32(1), keys)
+
+
+def cluster_top_k_model(row: np.ndarray, lead: int, k: int, ctas: int) -> np.ndarray:
+    """One row of len positions (its start `lead` floats past a 16-byte boundary) through C CTAs,
+    as TopKClusterKernel computes it; int64 [k]."""
+    length = len(row)
+    if length <= k:
+        return np.concatenate([np.arange(length), np.full(k - length, -1)])
+    groups = -(-(length + lead) // 4)
+    per_cta = -(-groups // ctas)
+    chunks = []  # per CTA: (positions of its in-row slots, their keys)
+    for rank in range(ctas):
+        g_begin = min(rank * per_cta, groups)
+        n_groups = min(per_cta, groups - g_begin)
+        first_position = g_begin * 4 - lead
+        lo = max(0, -first_position)
+        hi = max(0, min(n_groups * 4, length - first_position))
+        positions = first_position + np.arange(lo, hi)
+        chunks.append((positions, order_keys(row[positions])))
+    prefix = mask = 0
+    remaining = k
+    for shift, digit_mask in PASSES:
+        hist = np.zeros(BINS, np.int64)
+        for _, keys in chunks:  # each CTA's histogram, summed over the cluster
+            matching = keys[(keys & mask) == prefix]
+            hist += np.bincount((matching >> shift) & digit_mask, minlength=BINS)
+        above = np.concatenate([np.cumsum(hist[::-1])[::-1][1:], [0]])  # keys in higher bins
+        chosen = int(np.flatnonzero((above < remaining) & (above + hist >= remaining))[0])
+        remaining -= int(above[chosen])
+        prefix |= chosen << shift
+        mask |= digit_mask << shift
+        if hist[chosen] == remaining:
+            break
+    out = np.full(k, -1, np.int64)
+    above_seen = ties_seen = 0  # in the CTAs before this one
+    for positions, keys in chunks:
+        is_above = (keys & mask) > prefix
+        is_tie = (keys & mask) == prefix
+        above_before = above_seen + np.cumsum(is_above) - is_above
+        ties_before = ties_seen + np.cumsum(is_tie) - is_tie
+        kept = is_above | (is_tie & (ties_before < remaining))
+        slots = above_before + np.minimum(ties_before, remaining)
+        assert (slots[kept] < k).all() and len(np.unique(slots[kept])) == kept.sum()
+        out[slots[kept]] = positions[kept]
+        above_seen += int(is_above.sum())
+        ties_seen += int(is_tie.sum())
+    return out
+
+
+def adversarial_row(rng: np.random.Generator, case: int, width: int) -> np.ndarray:
+    """float32 [width]: the selection rule's hard cases (ties, NaN, infinities, signed zeros,
+    subnormals, one value over the whole row, ties straddling the chunk boundaries)."""
+    row = rng.standard_normal(width).astype(np.float32)
+    if case == 1:
+        row[:] = rng.integers(0, 4, width)
+    elif case == 2:
+        row[rng.random(width) < 0.3] = np.nan
+        row[rng.random(width) < 0.2] = -np.inf
+    elif case == 3:
+        row[:] = np.where(rng.random(width) < 0.5, np.nan, -np.inf)
+    elif case == 4:
+        row[:] = (np.uint32(0x3F900000)
+                  | rng.integers(0, 1 << 10, width).astype(np.uint32)).view(np.float32)
+        row[rng.random(width) < 0.5] = row[0]
+    elif case == 5:
+        row[:] = np.where(rng.random(width) < 0.5, -0.0, 0.0)
+        row[rng.random(width) < 0.1] = -1.0
+    elif case == 6:
+        row[:] = rng.integers(-5, 6, width).astype(np.float32) * np.float32(1e-45)
+    elif case == 7:
+        row[:] = 0.25
+    elif case == 8:
+        row[:] = np.nan
+    elif case == 9:  # one value tied across the whole row's second half, larger values before it
+        row[width // 2:] = 1.0
+        row[: width // 2] = rng.uniform(2, 3, width // 2)
+    return row
+
+
+@pytest.mark.parametrize("ctas", [1, 2, 4, 8])
+@pytest.mark.parametrize("lead", [0, 1, 3])
+@pytest.mark.parametrize("width,k", [(5000, 2048), (20001, 2048), (2049, 2048), (37, 5),
+                                     (65536, 2048), (9, 1)])
+def test_model_matches_the_rule(ctas, lead, width, k):
+    rng = np.random.default_rng(ctas * 1000 + lead * 100 + width + k)
+    for case in range(10):
+        row = adversarial_row(rng, case, width)
+        expected = top_k_np(row, 0, width, k)
+        np.testing.assert_array_equal(cluster_top_k_model(row, lead, k, ctas), expected,
+                                      err_msg=f"case {case}")
+
+
+def test_model_rows_shorter_than_the_cluster():
+    """Rows with fewer groups than CTAs leave CTAs without keys; they still take part."""
+    rng = np.random.default_rng(5)
+    for width in (6, 9, 13):
+        for case in range(10):
+            row = adversarial_row(rng, case, width)
+            for lead in range(4):
+                np.testing.assert_array_equal(cluster_top_k_model(row, lead, 3, 8),
+                                              top_k_np(row, 0, width, 3))
+
+
+# --- the host plan ---------------------------------------------------------------------------------
+
+PLAN_DRIVER = r"""
+#include <cstdio>
+#include "sm90/indexer_topk_plan.h"
+// stdin: lines "R S num_sms"; stdout: lines "ok ctas groups_capacity".
+int main() {
+  long long rows, width;
+  int sms;
+  while (std::scanf("%lld %lld %d", &rows, &width, &sms) == 3) {
+    jax_sparse_mla::indexer_topk::ClusterPlan plan{0, 0};
+    const bool ok = jax_sparse_mla::indexer_topk::PlanCluster(rows, width, sms, &plan);
+    std::printf("%d %d %lld\n", ok ? 1 : 0, plan.ctas, static_cast<long long>(plan.groups_capacity));
+  }
+  return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def plan_driver(tmp_path_factory) -> pathlib.Path:
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
+            pytest.fail("JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but no C++ compiler is on PATH")
+        pytest.skip("needs a C++ compiler (c++ or g++) on PATH")
+    work = tmp_path_factory.mktemp("topk_plan")
+    (work / "driver.cc").write_text(PLAN_DRIVER)
+    subprocess.run([compiler, "-std=c++17", "-O2", f"-I{FFI_DIR}", str(work / "driver.cc"), "-o",
+                    str(work / "driver")], check=True, capture_output=True)
+    return work / "driver"
+
+
+def plan(driver, cases):
+    text = "".join(f"{r} {s} {sms}\n" for r, s, sms in cases)
+    out = subprocess.run([str(driver)], input=text, capture_output=True, text=True, check=True)
+    return [tuple(int(x) for x in line.split()) for line in out.stdout.splitlines()]
+
+
+def test_plan_accepts_exactly_the_checked_widths(plan_driver):
+    widest = topk.MAX_CLUSTER_WIDTH
+    results = plan(plan_driver, [(1, widest, 132), (1, widest + 1, 132), (4096, widest, 132),
+                                 (4096, widest + 1, 132)])
+    assert [ok for ok, _, _ in results] == [1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("sms", [132, 78, 16])
+def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
+    cases = [(r, s, sms) for r in (1, 2, 4, 17, 32, 128, 4096)
+             for s in (1, 100, 2048, 2049, 8192, 65536, 131072, 262144, topk.MAX_CLUSTER_WIDTH)]
+    for (rows, width, _), (ok, ctas, capacity) in zip(cases, plan(plan_driver, cases)):
+        assert ok == 1
+        assert ctas in (1, 2, 4, 8)
+        groups = -(-(width + 3) // 4)  # the most groups a row of this width spans (lead <= 3)
+        assert capacity == -(-groups // ctas) and capacity * 16 <= 160 * 1024
+        if ctas > 1:
+            # Doubled only for shared memory or while SMs were idle and chunks kept >= 2048 keys.
+            half = -(-groups // (ctas // 2))
+            assert half * 16 > 160 * 1024 or (rows * (ctas // 2) < sms and capacity * 4 >= 2048)
+        if ctas < 8 and rows * ctas < sms:
+            # Not doubled although SMs were idle: the chunks would have been too small.
+            assert -(-groups // (2 * ctas)) * 4 < 2048
+
+
+# --- the registration ------------------------------------------------------------------------------
+
+OPS = {"top_k_per_row": (topk.TARGET, topk.TARGET_CLUSTER),
+       "top_k_per_row_decode": (topk.TARGET_DECODE, topk.TARGET_DECODE_CLUSTER)}
+
+
+def problem(op, **override):
+    base = dict(num_rows=8, num_keys=131072, top_k=2048,
+                dtypes=("float32", "int32", "int32") if op == "top_k_per_row" else
+                ("float32", "int32"))
+    if op == "top_k_per_row_decode":
+        base.update(batch=4, next_n=2)
+    base.update(override)
+    return IndexerProblem(op, **base)
+
+
+@pytest.fixture
+def fake_sm90(monkeypatch):
+    """A faked SM90 device whose extension holds all four top-k targets and sm_90a code."""
+    monkeypatch.setattr(registry, "current_device_capability", lambda: (9, 0))
+    monkeypatch.setattr(native, "targets", frozenset(t for ts in OPS.values() for t in ts))
+    monkeypatch.setattr(native, "module", object())
+    monkeypatch.setattr(native, "build_info", lambda: {"sm90": "90a"})
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_registered_not_validated(op):
+    ours = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk_cluster"]
+    assert len(ours) == 1
+    kernel = ours[0]
+    assert kernel.native and kernel.capability_majors == (9,) and not kernel.validated
+    assert kernel.check is topk.check_cluster_problem
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+def test_native_prefers_it_auto_passes_it_over(fake_sm90, op):
+    assert registry.select_op_kernel(op, "native", problem(op)).name == "sm90_topk_cluster"
+    assert registry.select_op_kernel(op, "auto", problem(op)).name == "sm90_topk"
+    wide = problem(op, num_keys=topk.MAX_CLUSTER_WIDTH + 1)
+    assert registry.select_op_kernel(op, "native", wide).name == "sm90_topk"
+
+
+@pytest.mark.parametrize("override,message", [
+    (dict(num_keys=topk.MAX_CLUSTER_WIDTH + 1), "exceeds the 327677 positions"),
+    (dict(num_rows=topk.MAX_CLUSTER_ROWS + 1), "R (rows) must be at most"),
+    (dict(top_k=0), "k must be positive"),
+    (dict(dtypes=("bfloat16", "int32", "int32")), "needs float32 logits"),
+])
+def test_check_rejects(fake_sm90, override, message):
+    assert message in topk.check_cluster_problem(problem("top_k_per_row", **override), (9, 0))
+
+
+def test_check_accepts_the_limits(fake_sm90):
+    edge = problem("top_k_per_row", num_keys=topk.MAX_CLUSTER_WIDTH,
+                   num_rows=topk.MAX_CLUSTER_ROWS)
+    assert topk.check_cluster_problem(edge, (9, 0)) is None
+
+
+def test_public_ops_lower_to_the_cluster_calls(fake_sm90):
+    logits = jax.ShapeDtypeStruct((6, 5000), jnp.float32)
+    rows = jax.ShapeDtypeStruct((6,), jnp.int32)
+    text = jax.jit(lambda l, s, e: jsm.top_k_per_row(l, s, e, k=2048, implementation="native")
+                   ).lower(logits, rows, rows).as_text()
+    assert f"@{topk.TARGET_CLUSTER}(" in text and "tensor<6x2048xi32>" in text
+    lens = jax.ShapeDtypeStruct((3,), jnp.int32)
+    text = jax.jit(lambda l, c: jsm.top_k_per_row_decode(l, c, next_n=2, k=64,
+                                                          implementation="native")
+                   ).lower(logits, lens).as_text()
+    assert f"@{topk.TARGET_DECODE_CLUSTER}(" in text and "next_n = 2" in text
+    text = jax.jit(lambda l, s, e: jsm.top_k_per_row(l, s, e, k=2048, implementation="auto")
+                   ).lower(logits, rows, rows).as_text()
+    assert f"@{topk.TARGET}(" in text and topk.TARGET_CLUSTER not in text
+
+
+def test_extension_registers_the_cluster_targets_as_graph_safe():
+    from requirements import require_native
+    module = require_native()
+    if "sm90" not in module.build_info():
+        pytest.skip("the extension was built without the sm90 family")
+    cluster_targets = {topk.TARGET_CLUSTER, topk.TARGET_DECODE_CLUSTER}
+    assert cluster_targets <= set(module.registrations())
+    assert cluster_targets <= set(module.command_buffer_targets())
