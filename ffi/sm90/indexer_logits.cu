@@ -1,5 +1,6 @@
-// XLA FFI handlers of the lightning indexer's fp8 MQA logits on SM90 (indexer_logits.cuh): one
-// kernel launch each, no host synchronisation, no allocation.
+// XLA FFI handlers of the lightning indexer's fp8 MQA logits on SM90 (indexer_logits.cuh), each in
+// two forms (mma.sync and warpgroup MMA): one kernel launch each, no host synchronisation, no
+// allocation.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -27,29 +28,31 @@ ffi::Error ArgumentError(const char* op, const std::string& what) {
 
 using sm90::RaiseSharedMemoryLimit;
 
-template <int kHeads, int kNextN>
+template <int kHeads, int kNextN, bool kWgmma>
 cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t batch,
                         cudaStream_t stream) {
   using L = Layout<kHeads, kNextN>;
-  constexpr auto kKernel = PagedMqaLogitsKernel<L>;
-  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kSmemBytes>(); status != cudaSuccess) {
+  constexpr auto kKernel = PagedMqaLogitsKernel<L, kWgmma>;
+  constexpr int kBytes = kKernelSmemBytes<L, kWgmma>;
+  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
   kKernel<<<dim3(static_cast<unsigned>(num_chunks), static_cast<unsigned>(batch)), L::kThreads,
-            kSmemBytes, stream>>>(params);
+            kBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
-template <int kHeads, int kRows>
+template <int kHeads, int kRows, bool kWgmma>
 cudaError_t LaunchRagged(const RaggedParams& params, int64_t num_row_blocks, int64_t num_chunks,
                          cudaStream_t stream) {
   using L = Layout<kHeads, kRows>;
-  constexpr auto kKernel = RaggedMqaLogitsKernel<L>;
-  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kSmemBytes>(); status != cudaSuccess) {
+  constexpr auto kKernel = RaggedMqaLogitsKernel<L, kWgmma>;
+  constexpr int kBytes = kKernelSmemBytes<L, kWgmma>;
+  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
   kKernel<<<dim3(static_cast<unsigned>(num_row_blocks), static_cast<unsigned>(num_chunks)),
-            L::kThreads, kSmemBytes, stream>>>(params);
+            L::kThreads, kBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -58,6 +61,7 @@ ffi::Error LaunchError(const char* op, cudaError_t status) {
                               cudaGetErrorString(status));
 }
 
+template <bool kWgmma>
 ffi::Error PagedMqaLogits(cudaStream_t stream,
                           ffi::AnyBuffer q,                     // [B, next_n, H, 128] e4m3
                           ffi::Buffer<ffi::U8> index_cache,     // [num_blocks, 64, 132]
@@ -123,16 +127,17 @@ ffi::Error PagedMqaLogits(cudaStream_t stream,
 
   cudaError_t status;
   if (num_heads == 64) {
-    status = next_n == 1 ? LaunchPaged<64, 1>(params, num_chunks, batch, stream)
-                         : LaunchPaged<64, 2>(params, num_chunks, batch, stream);
+    status = next_n == 1 ? LaunchPaged<64, 1, kWgmma>(params, num_chunks, batch, stream)
+                         : LaunchPaged<64, 2, kWgmma>(params, num_chunks, batch, stream);
   } else {
-    status = next_n == 1 ? LaunchPaged<32, 1>(params, num_chunks, batch, stream)
-                         : LaunchPaged<32, 2>(params, num_chunks, batch, stream);
+    status = next_n == 1 ? LaunchPaged<32, 1, kWgmma>(params, num_chunks, batch, stream)
+                         : LaunchPaged<32, 2, kWgmma>(params, num_chunks, batch, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
 }
 
+template <bool kWgmma>
 ffi::Error MqaLogits(cudaStream_t stream,
                      ffi::AnyBuffer q,                    // [M, H, 128] e4m3
                      ffi::AnyBuffer keys,                 // [N, 128] e4m3
@@ -198,9 +203,9 @@ ffi::Error MqaLogits(cudaStream_t stream,
   // 128 query columns per CTA (two groups of 4 warps): 2 rows of 64 heads or 4 rows of 32.
   cudaError_t status;
   if (num_heads == 64) {
-    status = LaunchRagged<64, 2>(params, (num_rows + 1) / 2, num_chunks, stream);
+    status = LaunchRagged<64, 2, kWgmma>(params, (num_rows + 1) / 2, num_chunks, stream);
   } else {
-    status = LaunchRagged<32, 4>(params, (num_rows + 3) / 4, num_chunks, stream);
+    status = LaunchRagged<32, 4, kWgmma>(params, (num_rows + 3) / 4, num_chunks, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
@@ -209,28 +214,41 @@ ffi::Error MqaLogits(cudaStream_t stream,
 }  // namespace
 }  // namespace jax_sparse_mla::indexer
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits,
-                              jax_sparse_mla::indexer::PagedMqaLogits,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                   // q
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()        // index_cache
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()       // weights
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // context_lens
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // block_table
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()       // logits
-                                  .Attr<int64_t>("tiles_per_cta"),
-                              {xla::ffi::Traits::kCmdBufferCompatible});
+#define JAX_SPARSE_MLA_PAGED_LOGITS_BINDING                                         \
+  xla::ffi::Ffi::Bind()                                                             \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                                \
+      .Arg<xla::ffi::AnyBuffer>()                   /* q */                         \
+      .Arg<xla::ffi::Buffer<xla::ffi::U8>>()        /* index_cache */               \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()       /* weights */                   \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       /* context_lens */              \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       /* block_table */               \
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()       /* logits */                    \
+      .Attr<int64_t>("tiles_per_cta")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, jax_sparse_mla::indexer::MqaLogits,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                   // q
-                                  .Arg<xla::ffi::AnyBuffer>()                   // k_fp8
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()       // k_scale
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()       // weights
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // row_starts
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       // row_ends
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()       // logits
-                                  .Attr<int64_t>("tiles_per_cta"),
+#define JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING                                        \
+  xla::ffi::Ffi::Bind()                                                             \
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()                                \
+      .Arg<xla::ffi::AnyBuffer>()                   /* q */                         \
+      .Arg<xla::ffi::AnyBuffer>()                   /* k_fp8 */                     \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()       /* k_scale */                   \
+      .Arg<xla::ffi::Buffer<xla::ffi::F32>>()       /* weights */                   \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       /* row_starts */                \
+      .Arg<xla::ffi::Buffer<xla::ffi::S32>>()       /* row_ends */                  \
+      .Ret<xla::ffi::Buffer<xla::ffi::F32>>()       /* logits */                    \
+      .Attr<int64_t>("tiles_per_cta")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits,
+                              jax_sparse_mla::indexer::PagedMqaLogits<false>,
+                              JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, jax_sparse_mla::indexer::MqaLogits<false>,
+                              JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsWgmma,
+                              jax_sparse_mla::indexer::PagedMqaLogits<true>,
+                              JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsWgmma,
+                              jax_sparse_mla::indexer::MqaLogits<true>,
+                              JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -43,7 +43,12 @@
 
 #include <cstdint>
 
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <type_traits>
+#include <utility>
+
 #include "sm90/sm90_async.cuh"
+#include "sm90/sm90_wgmma.cuh"
 
 namespace jax_sparse_mla::indexer {
 
@@ -101,7 +106,9 @@ struct Layout {
 
 using sm90::ArriveExpectBytes;
 using sm90::CopyBulk;
+using sm90::Descriptor;
 using sm90::FenceBarrierInit;
+using sm90::FenceProxyAsync;
 using sm90::InitBarrier;
 using sm90::SmemAddress;
 using sm90::WaitBarrier;
@@ -122,36 +129,57 @@ __device__ __forceinline__ float Relu(float x) { return x < 0.0f ? 0.0f : x; }
 
 // ---- warp-level pieces shared by both kernels --------------------------------------------------
 
-// One thread's query columns for the whole CTA: B fragments (the 32-byte dim chunk of each of its
-// kNTiles columns) and the head weights of the two accumulator columns it holds per n8 tile.
+// One thread's query columns for the whole CTA as mma.sync B fragments: the 32-byte dim chunk of
+// each of its kNTiles columns.
 template <class L>
 struct QueryFragment {
   uint32_t b[L::kNTiles][8];
+};
+
+// The head weights of the two accumulator columns a thread holds per n8 tile (both MMA forms have
+// that accumulator layout).
+template <class L>
+struct HeadWeights {
   float w[L::kNTiles][2];
 };
 
-// q_cta: the CTA's first query row ([kRows, H, 128] e4m3, contiguous), w_cta its weights
-// ([kRows, H]); rows >= valid_rows do not exist (ragged tail): zero query, zero weight.
+// An n8 tile lies within one query row; rows >= valid_rows do not exist (ragged tail).
 template <class L>
-__device__ __forceinline__ void LoadQuery(QueryFragment<L>& f, const uint8_t* q_cta,
-                                          const float* w_cta, int group, int lane,
-                                          int valid_rows) {
+__device__ __forceinline__ bool TilePresent(int group, int n, int valid_rows) {
+  return (group * L::kWarpCols + n * 8) / L::kHeads < valid_rows;
+}
+
+// q_cta: the CTA's first query row ([kRows, H, 128] e4m3, contiguous); absent rows: zero query.
+template <class L>
+__device__ __forceinline__ void LoadQuery(QueryFragment<L>& f, const uint8_t* q_cta, int group,
+                                          int lane, int valid_rows) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int n = 0; n < L::kNTiles; ++n) {
-    const int tile_col = group * L::kWarpCols + n * 8;  // an n8 tile lies within one row
-    const bool present = tile_col / L::kHeads < valid_rows;
     uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-    float2 w = make_float2(0.0f, 0.0f);
-    if (present) {
+    if (TilePresent<L>(group, n, valid_rows)) {
+      const int tile_col = group * L::kWarpCols + n * 8;
       const uint8_t* column = q_cta + static_cast<int64_t>(tile_col + g) * kHeadDim + 32 * t;
       lo = *reinterpret_cast<const uint4*>(column);
       hi = *reinterpret_cast<const uint4*>(column + 16);
-      w = *reinterpret_cast<const float2*>(w_cta + tile_col + 2 * t);
     }
     f.b[n][0] = lo.x, f.b[n][1] = lo.y, f.b[n][2] = lo.z, f.b[n][3] = lo.w;
     f.b[n][4] = hi.x, f.b[n][5] = hi.y, f.b[n][6] = hi.z, f.b[n][7] = hi.w;
-    f.w[n][0] = w.x, f.w[n][1] = w.y;
+  }
+}
+
+// w_cta: the CTA's first row of weights ([kRows, H]); absent rows: zero weight.
+template <class L>
+__device__ __forceinline__ void LoadHeadWeights(HeadWeights<L>& hw, const float* w_cta, int group,
+                                                int lane, int valid_rows) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int n = 0; n < L::kNTiles; ++n) {
+    float2 w = make_float2(0.0f, 0.0f);
+    if (TilePresent<L>(group, n, valid_rows)) {
+      w = *reinterpret_cast<const float2*>(w_cta + group * L::kWarpCols + n * 8 + 2 * t);
+    }
+    hw.w[n][0] = w.x, hw.w[n][1] = w.y;
   }
 }
 
@@ -170,18 +198,49 @@ __device__ __forceinline__ void LoadKeyChunk(uint32_t (&words)[8], const uint8_t
   words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
 }
 
-// For keys k0 = 16 * mtile + lane / 4 and k0 + 8 of the tile at `tile` (64 rows of 128 e4m3
-// bytes in shared memory), the warp's head sums: lo[r] / hi[r] = sum over the heads of the warp's
-// row r of w * relu(q . k), complete in every lane of the quad.
+// The warp's head sums from its accumulators (acc[n][0..1]: key g, columns 2t, 2t + 1 of n8 tile n;
+// acc[n][2..3]: key g + 8, same columns): lo[r] / hi[r] = sum over the heads of the warp's row r of
+// w * relu(q . k), complete in every lane of the quad.
 template <class L>
-__device__ __forceinline__ void TileHeadSums(const uint8_t* tile, int mtile, int lane,
-                                             const QueryFragment<L>& f, float (&lo)[L::kWarpRows],
-                                             float (&hi)[L::kWarpRows]) {
+__device__ __forceinline__ void HeadSums(const float (&acc)[L::kNTiles][4],
+                                         const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
+                                         float (&hi)[L::kWarpRows]) {
+#pragma unroll
+  for (int r = 0; r < L::kWarpRows; ++r) lo[r] = hi[r] = 0.0f;
+#pragma unroll
+  for (int n = 0; n < L::kNTiles; ++n) {
+    const int r = n * 8 / L::kHeads;
+    lo[r] += hw.w[n][0] * Relu(acc[n][0]) + hw.w[n][1] * Relu(acc[n][1]);
+    hi[r] += hw.w[n][0] * Relu(acc[n][2]) + hw.w[n][1] * Relu(acc[n][3]);
+  }
+#pragma unroll
+  for (int r = 0; r < L::kWarpRows; ++r) {
+    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 1);
+    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 2);
+    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 1);
+    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 2);
+  }
+}
+
+// Key rows g and g + 8 of the warp's m16 tile (16 * mtile + [0, 16)) of the tile at `tile` (64 rows
+// of 128 e4m3 bytes in shared memory): this thread's 32-byte dim chunk of each.
+__device__ __forceinline__ void LoadKeyFragment(const uint8_t* tile, int mtile, int lane,
+                                                uint32_t (&a_lo)[8], uint32_t (&a_hi)[8]) {
   const int g = lane >> 2, t = lane & 3;
-  uint32_t a_lo[8], a_hi[8];  // key rows g and g + 8 of the m16 tile
   const uint8_t* row = tile + (16 * mtile + g) * kHeadDim;
   LoadKeyChunk(a_lo, row, t, (g & 1) != 0);
   LoadKeyChunk(a_hi, row + 8 * kHeadDim, t, (g & 1) != 0);
+}
+
+// mma.sync form: for keys k0 = 16 * mtile + lane / 4 and k0 + 8 of the tile, the warp's head sums
+// (HeadSums), with the query as B fragments in registers.
+template <class L>
+__device__ __forceinline__ void TileHeadSums(const uint8_t* tile, int mtile, int lane,
+                                             const QueryFragment<L>& f, const HeadWeights<L>& hw,
+                                             float (&lo)[L::kWarpRows],
+                                             float (&hi)[L::kWarpRows]) {
+  uint32_t a_lo[8], a_hi[8];
+  LoadKeyFragment(tile, mtile, lane, a_lo, a_hi);
   float acc[L::kNTiles][4];
 #pragma unroll
   for (int n = 0; n < L::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
@@ -193,23 +252,94 @@ __device__ __forceinline__ void TileHeadSums(const uint8_t* tile, int mtile, int
               f.b[n][2 * ks], f.b[n][2 * ks + 1]);
     }
   }
-#pragma unroll
-  for (int r = 0; r < L::kWarpRows; ++r) lo[r] = hi[r] = 0.0f;
-#pragma unroll
-  for (int n = 0; n < L::kNTiles; ++n) {
-    // Accumulator layout: acc[0..1] = key g, columns 2t, 2t + 1 of the n8 tile; acc[2..3] = key
-    // g + 8, same columns.
-    const int r = n * 8 / L::kHeads;
-    lo[r] += f.w[n][0] * Relu(acc[n][0]) + f.w[n][1] * Relu(acc[n][1]);
-    hi[r] += f.w[n][0] * Relu(acc[n][2]) + f.w[n][1] * Relu(acc[n][3]);
+  HeadSums<L>(acc, hw, lo, hi);
+}
+
+// ---- the warpgroup-MMA form ---------------------------------------------------------------------
+//
+// Hopper runs e4m3 natively only in warpgroup MMAs. A group of 4 warps is one warpgroup, and its
+// warp w already holds keys [16 w, 16 w + 16) of the tile as the m16n8k32 A fragments above, which
+// is also the register layout of a wgmma A operand (rows 16 w + g and + 8, bytes 4 t.. and 16 + 4 t..
+// of each 32-wide k-step). So one wgmma m64 n(kWarpCols) k32 per k-step takes the keys from
+// registers and the group's query columns as B from shared memory, with the same dim permutation
+// (k-step ks, logical k = 16 h + 4 t + j reads memory dim 32 t + 8 ks + 4 h + j), and leaves the
+// accumulators in the mma.sync layout (element 4 n + j is acc[n][j]), so HeadSums is unchanged.
+//
+// The B operand of a group: K-major, unswizzled core matrices (8 columns x 16 bytes of K, 128
+// bytes each): the 16-byte K chunk c (logical k [16 c, 16 c + 16)) of column n lives at
+// c * kWarpCols * 16 + n * 16. With the permutation, chunk c of a column holds its 32-bit words
+// c, 8 + c, 16 + c and 24 + c.
+
+template <class L>
+inline constexpr int kQueryOperandBytes = L::kCols * kHeadDim;  // every group's B operand
+
+// One register-A wgmma: acc (kRegs accumulators) = or += A (four registers) x B (descriptor).
+template <typename Mma, int kRegs, size_t... kI>
+__device__ __forceinline__ void RunWgmma(uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint64_t b, float (&d)[kRegs], bool accumulate,
+                                         std::index_sequence<kI...>) {
+  Mma::fma(a0, a1, a2, a3, b, d[kI]...,
+           accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+template <int kN>
+using WgmmaE4m3 = std::conditional_t<
+    kN == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>,
+    cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_RS_TN<>>;
+
+// Writes the CTA's query columns (all groups) into `operand` in the layout above; absent rows are
+// zero. Every thread of the CTA takes part; the caller fences (FenceProxyAsync) and synchronises
+// before any wgmma reads it.
+template <class L>
+__device__ __forceinline__ void StoreQueryOperand(uint8_t* operand, const uint8_t* q_cta,
+                                                  int valid_rows) {
+  // One (column, K chunk) pair per step: 16 bytes gathered from four 32-bit words of the column.
+  for (int i = threadIdx.x; i < L::kCols * 8; i += L::kThreads) {
+    const int column = i / 8, chunk = i % 8;
+    const int group = column / L::kWarpCols, n = column % L::kWarpCols;
+    uint4 bytes = make_uint4(0, 0, 0, 0);
+    if (column / L::kHeads < valid_rows) {
+      const uint32_t* words =
+          reinterpret_cast<const uint32_t*>(q_cta + static_cast<int64_t>(column) * kHeadDim);
+      bytes = make_uint4(words[chunk], words[8 + chunk], words[16 + chunk], words[24 + chunk]);
+    }
+    *reinterpret_cast<uint4*>(operand + group * L::kWarpCols * kHeadDim +
+                              chunk * L::kWarpCols * 16 + n * 16) = bytes;
   }
+}
+
+// wgmma form of TileHeadSums: the warpgroup `group` (all 128 threads must call it together) with
+// its B operand described by `query` (k-step 0).
+template <class L>
+__device__ __forceinline__ void TileHeadSumsWgmma(const uint8_t* tile, int mtile, int lane,
+                                                  uint64_t query, const HeadWeights<L>& hw,
+                                                  float (&lo)[L::kWarpRows],
+                                                  float (&hi)[L::kWarpRows]) {
+  using Mma = WgmmaE4m3<L::kWarpCols>;
+  // A k-step is 32 logical k: two 16-byte K chunks, in descriptor units of 16 bytes.
+  constexpr uint64_t kStep = 2 * L::kWarpCols * 16 / 16;
+  uint32_t a_lo[8], a_hi[8];
+  LoadKeyFragment(tile, mtile, lane, a_lo, a_hi);
+  float acc[L::kNTiles][4] = {};
+  float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
 #pragma unroll
-  for (int r = 0; r < L::kWarpRows; ++r) {
-    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 1);
-    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 2);
-    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 1);
-    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 2);
+  for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    RunWgmma<Mma>(a_lo[2 * ks], a_hi[2 * ks], a_lo[2 * ks + 1], a_hi[2 * ks + 1],
+                  query + ks * kStep, d, ks > 0, std::make_index_sequence<L::kNTiles * 4>{});
   }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {  // the MMAs read these registers until they complete
+    cute::warpgroup_fence_operand(a_lo[i]);
+    cute::warpgroup_fence_operand(a_hi[i]);
+  }
+  HeadSums<L>(acc, hw, lo, hi);
 }
 
 // Lane t of a quad stores one of the quad's 2 x kWarpRows results: row t / 2 of the warp, key
@@ -227,7 +357,43 @@ __device__ __forceinline__ float PickResult(const float (&lo)[L::kWarpRows],
 
 // ---- decode: paged logits -----------------------------------------------------------------------
 
-template <class L>
+// Dynamic shared memory of a kernel: the ring of stages and its barriers, then (wgmma form) the
+// query operand (16-byte aligned: kSmemBytes is a multiple of 16).
+template <class L, bool kWgmma>
+inline constexpr int kKernelSmemBytes = kSmemBytes + (kWgmma ? kQueryOperandBytes<L> : 0);
+static_assert(kSmemBytes % 16 == 0);
+
+// The query of the CTA's rows as the kernels' MMAs take it: B fragments in registers (mma.sync
+// form) or the B operand in shared memory at `operand` (wgmma form; every thread of the CTA takes
+// part, and a __syncthreads must follow before the first tile).
+template <class L, bool kWgmma>
+struct Query {
+  QueryFragment<L> fragment;  // mma.sync form only
+  uint64_t descriptor;        // wgmma form only: this warpgroup's operand at k-step 0
+
+  __device__ __forceinline__ void Load(const uint8_t* q_cta, uint8_t* operand, int group, int lane,
+                                       int valid_rows) {
+    if constexpr (kWgmma) {
+      StoreQueryOperand<L>(operand, q_cta, valid_rows);
+      FenceProxyAsync();
+      descriptor = Descriptor(operand + group * L::kWarpCols * kHeadDim, L::kWarpCols * 16, 128);
+    } else {
+      LoadQuery<L>(fragment, q_cta, group, lane, valid_rows);
+    }
+  }
+
+  __device__ __forceinline__ void TileHeadSums(const uint8_t* tile, int mtile, int lane,
+                                               const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
+                                               float (&hi)[L::kWarpRows]) const {
+    if constexpr (kWgmma) {
+      TileHeadSumsWgmma<L>(tile, mtile, lane, descriptor, hw, lo, hi);
+    } else {
+      indexer::TileHeadSums<L>(tile, mtile, lane, fragment, hw, lo, hi);
+    }
+  }
+};
+
+template <class L, bool kWgmma>
 __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
     PagedMqaLogitsKernel(const PagedParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -270,23 +436,26 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, t0 + s);
   }
 
-  QueryFragment<L> f;
-  LoadQuery<L>(f, p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
-               p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane, L::kRows);
+  Query<L, kWgmma> query;
+  query.Load(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim, smem + kSmemBytes, group,
+             lane, L::kRows);
+  HeadWeights<L> hw;
+  LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
+                     L::kRows);
   const int t = lane & 3;  // the lane's result (PickResult): warp row t / 2, key offset 8 (t % 2)
   const bool stores = t < 2 * L::kWarpRows;
   const int row = group * L::kWarpRows + (t >> 1);  // row j of the request
   // Row j sees [0, L - next_n + j + 1).
   const int limit = length - L::kRows + row + 1;
   const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
-  __syncthreads();  // the barriers are initialised
+  __syncthreads();  // the barriers are initialised (and the query operand stored)
 
   for (int i = 0; i < num_loads; ++i) {
     const int stage = i % kStages;
     WaitBarrier(&full[stage], (i / kStages) & 1);
     const uint8_t* page = smem + stage * kPageBytes;
     float lo[L::kWarpRows], hi[L::kWarpRows];
-    TileHeadSums<L>(page, mtile, lane, f, lo, hi);
+    query.TileHeadSums(page, mtile, lane, hw, lo, hi);
     const float value = PickResult<L>(lo, hi, t);
     const int key = (t0 + i) * kTileKeys + key_in_tile;
     if (stores && key < width) {
@@ -301,7 +470,7 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
 
 // ---- prefill: ragged logits ---------------------------------------------------------------------
 
-template <class L>
+template <class L, bool kWgmma>
 __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
     RaggedMqaLogitsKernel(const RaggedParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
@@ -358,22 +527,25 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, load_begin + s);
   }
 
-  QueryFragment<L> f;
-  LoadQuery<L>(f, p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
-               p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane, valid_rows);
+  Query<L, kWgmma> query;
+  query.Load(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim, smem + kSmemBytes, group,
+             lane, valid_rows);
+  HeadWeights<L> hw;
+  LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
+                     valid_rows);
   const int t = lane & 3;  // the lane's result (PickResult): warp row t / 2, key offset 8 (t % 2)
   const int row = group * L::kWarpRows + (t >> 1);  // row of the CTA
   const bool stores = t < 2 * L::kWarpRows && row < valid_rows;
   const int start = stores ? p.starts[first_row + row] : 0;
   const int end = stores ? p.ends[first_row + row] : 0;
   const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
-  __syncthreads();  // the barriers are initialised
+  __syncthreads();  // the barriers are initialised (and the query operand stored)
 
   for (int i = 0; i < num_loads; ++i) {
     const int stage = i % kStages;
     WaitBarrier(&full[stage], (i / kStages) & 1);
     float lo[L::kWarpRows], hi[L::kWarpRows];
-    TileHeadSums<L>(smem + stage * kPageBytes, mtile, lane, f, lo, hi);
+    query.TileHeadSums(smem + stage * kPageBytes, mtile, lane, hw, lo, hi);
     const float value = PickResult<L>(lo, hi, t);
     const int key = (load_begin + i) * kTileKeys + key_in_tile;
     if (stores && key < num_keys) {

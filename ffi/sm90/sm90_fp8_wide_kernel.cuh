@@ -33,8 +33,12 @@
 #include <utility>
 
 #include "sm90/sm90_fp8_kernel.cuh"
+#include "sm90/sm90_wgmma.cuh"
 
 namespace jax_sparse_mla::fp8::wide {
+
+using sm90::Descriptor;
+using sm90::FenceProxyAsync;
 
 inline constexpr int kHeads = 64;
 inline constexpr int kWarpgroups = 3;
@@ -76,10 +80,6 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
 __device__ __forceinline__ void ArriveBarrier(uint64_t* barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(SmemAddress(barrier))
                : "memory");
-}
-// Threads' shared-memory stores, before wgmma (the async proxy) reads them.
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // ---- The pair of CTAs of one cluster (both head groups of a token, kPaired) ----------------------
@@ -139,19 +139,6 @@ __device__ __forceinline__ void SetRegisters() {
   } else if constexpr (kCount < kLaunchRegisters) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kCount));
   }
-}
-
-// Descriptor of an unswizzled wgmma operand at `start`: core matrices 16 bytes wide, 8 rows of 16
-// bytes each; `leading` and `stride` are the byte offsets of the next core matrix along the two
-// dimensions (K-major: along K, then along M/N; MN-major: along K, then along M/N as well, in the
-// canonical forms of CUTLASS's make_gmma_desc).
-__device__ __forceinline__ uint64_t Descriptor(const void* start, int leading, int stride) {
-  cute::GmmaDescriptor descriptor;
-  descriptor.desc_ = 0;
-  descriptor.bitfield.start_address_ = static_cast<uint16_t>(SmemAddress(start) >> 4);
-  descriptor.bitfield.leading_byte_offset_ = static_cast<uint16_t>(leading >> 4);
-  descriptor.bitfield.stride_byte_offset_ = static_cast<uint16_t>(stride >> 4);
-  return descriptor.desc_;
 }
 
 // K-major operand of 64 rows at its first k-step; k-step s adds s * kKMajorStep.

@@ -18,9 +18,17 @@ row its own length and a copy of its request's block-table row; keys are then re
 
 Both passed their GPU tests on an H200 (tests/kernels/test_sm90_indexer_logits_gpu.py, memcheck and
 command buffers included): implementation="auto" runs them on SM90.
+
+The warpgroup-MMA form (kernel name "sm90_mqa_logits_wgmma", the same kernels compiled with
+kWgmma): each group of 4 warps issues wgmma m64 n(32 or 64) k32 e4m3 with the keys as A from the
+registers the mma.sync form already loads and the query columns as B from shared memory, which
+Hopper runs natively instead of converting to f16. It has not run on a GPU yet
+(`validated=False`): implementation="native" runs it, "auto" passes it over.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +38,8 @@ from . import native, registry
 
 PAGED_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits"
 RAGGED_TARGET = "jax_sparse_mla_sm90_mqa_logits"
+PAGED_WGMMA_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits_wgmma"
+RAGGED_WGMMA_TARGET = "jax_sparse_mla_sm90_mqa_logits_wgmma"
 # Must match ffi/sm90/indexer_logits.cuh / .cu.
 TILE_KEYS = 64
 MAX_TILES_PER_CTA = 16
@@ -60,7 +70,8 @@ def tiles_per_cta(num_ctas_at_one_tile: int, num_tiles: int, sm_count: int) -> i
     return max(1, min(tiles, num_tiles))
 
 
-def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_context_len):
+def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_context_len,
+                  target=PAGED_TARGET):
     """fp8_paged_mqa_logits' kernel contract (ops/indexer.py): q [B, next_n, H, 128] e4m3,
     index_cache uint8 [num_blocks, 64, 132], weights [B * next_n, H] f32, context_lens [B] i32,
     block_table [B, W] i32 -> [B * next_n, max_context_len] f32."""
@@ -77,13 +88,13 @@ def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_con
         batch, next_n = rows, 1
     num_tiles = -(-max_context_len // TILE_KEYS)
     call = jax.ffi.ffi_call(
-        PAGED_TARGET, jax.ShapeDtypeStruct((rows, max_context_len), jnp.float32),
+        target, jax.ShapeDtypeStruct((rows, max_context_len), jnp.float32),
         vmap_method="sequential")
     return call(q, index_cache, weights, context_lens, block_table,
                 tiles_per_cta=np.int64(tiles_per_cta(batch, num_tiles, _sm_count())))
 
 
-def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends):
+def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends, *, target=RAGGED_TARGET):
     """fp8_mqa_logits' kernel contract: q [M, H, 128] e4m3, k_fp8 [N, 128] e4m3, k_scale [N] f32,
     weights [M, H] f32, row_starts / row_ends [M] i32 -> [M, N] f32."""
     num_rows, num_heads, _ = q.shape
@@ -95,7 +106,7 @@ def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends):
     tiles = tiles_per_cta(-(-num_rows // rows_per_cta), num_tiles, _sm_count())
     tiles = max(tiles, -(-num_tiles // MAX_GRID_Y))  # at most 65535 key chunks (grid y)
     call = jax.ffi.ffi_call(
-        RAGGED_TARGET, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),
+        target, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),
         vmap_method="sequential")
     return call(q, k_fp8, k_scale, weights, row_starts, row_ends, tiles_per_cta=np.int64(tiles))
 
@@ -111,9 +122,10 @@ def _common_reason(problem: registry.IndexerProblem, capability, target: str) ->
     return None
 
 
-def check_paged(problem: registry.IndexerProblem, capability=None) -> str | None:
-    """Why the SM90 paged-logits kernel cannot run `problem` (None when it can)."""
-    reason = _common_reason(problem, capability, PAGED_TARGET)
+def check_paged(problem: registry.IndexerProblem, capability=None, *,
+                target: str = PAGED_TARGET) -> str | None:
+    """Why the SM90 paged-logits kernel (FFI `target`) cannot run `problem` (None when it can)."""
+    reason = _common_reason(problem, capability, target)
     if reason is not None:
         return reason
     if problem.block_size != TILE_KEYS:
@@ -131,9 +143,10 @@ def check_paged(problem: registry.IndexerProblem, capability=None) -> str | None
     return None
 
 
-def check_ragged(problem: registry.IndexerProblem, capability=None) -> str | None:
-    """Why the SM90 ragged-logits kernel cannot run `problem` (None when it can)."""
-    reason = _common_reason(problem, capability, RAGGED_TARGET)
+def check_ragged(problem: registry.IndexerProblem, capability=None, *,
+                 target: str = RAGGED_TARGET) -> str | None:
+    """Why the SM90 ragged-logits kernel (FFI `target`) cannot run `problem` (None when it can)."""
+    reason = _common_reason(problem, capability, target)
     if reason is not None:
         return reason
     expected = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
@@ -144,9 +157,17 @@ def check_ragged(problem: registry.IndexerProblem, capability=None) -> str | Non
     return None
 
 
-registry.register_op_kernel(registry.OpKernel(
-    op="fp8_paged_mqa_logits", name="sm90_mqa_logits", native=True, capability_majors=(9,),
-    fn=_paged_native, available=lambda: native.has_target(PAGED_TARGET), check=check_paged))
-registry.register_op_kernel(registry.OpKernel(
-    op="fp8_mqa_logits", name="sm90_mqa_logits", native=True, capability_majors=(9,),
-    fn=_ragged_native, available=lambda: native.has_target(RAGGED_TARGET), check=check_ragged))
+def _register(name: str, validated: bool, paged_target: str, ragged_target: str) -> None:
+    for op, fn, check, target in (
+            ("fp8_paged_mqa_logits", _paged_native, check_paged, paged_target),
+            ("fp8_mqa_logits", _ragged_native, check_ragged, ragged_target)):
+        registry.register_op_kernel(registry.OpKernel(
+            op=op, name=name, native=True, capability_majors=(9,),
+            fn=functools.partial(fn, target=target),
+            available=lambda target=target: native.has_target(target),
+            check=functools.partial(check, target=target), validated=validated))
+
+
+_register("sm90_mqa_logits", True, PAGED_TARGET, RAGGED_TARGET)
+# Registered later, so implementation="native" prefers it.
+_register("sm90_mqa_logits_wgmma", False, PAGED_WGMMA_TARGET, RAGGED_WGMMA_TARGET)

@@ -7,6 +7,9 @@ it); JAX_SPARSE_MLA_REQUIRE_GPU=1 turns "no suitable GPU" into a failure (the GP
 from __future__ import annotations
 
 import os
+import pathlib
+import shutil
+import subprocess
 
 import pytest
 
@@ -43,3 +46,19 @@ def gpu_test_marks(reason: str, what: str) -> list:
     if reason and os.environ.get("JAX_SPARSE_MLA_REQUIRE_GPU") == "1":
         raise RuntimeError(f"JAX_SPARSE_MLA_REQUIRE_GPU=1 but {what} cannot run: {reason}")
     return [pytest.mark.gpu, pytest.mark.skipif(bool(reason), reason=reason or "-")]
+
+
+def compile_host_program(source: str, work: pathlib.Path) -> pathlib.Path:
+    """Compiles the C++17 `source` (with ffi/ on the include path, so it can include our host-side
+    headers) into an executable in `work`; a skip without a C++ compiler (a failure under
+    JAX_SPARSE_MLA_REQUIRE_NATIVE=1, as in CI)."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
+            pytest.fail("JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but no C++ compiler is on PATH")
+        pytest.skip("needs a C++ compiler (c++ or g++) on PATH")
+    ffi_dir = pathlib.Path(__file__).resolve().parents[2] / "ffi"
+    (work / "program.cc").write_text(source)
+    subprocess.run([compiler, "-std=c++17", "-O2", f"-I{ffi_dir}", str(work / "program.cc"), "-o",
+                    str(work / "program")], check=True, capture_output=True)
+    return work / "program"

@@ -10,15 +10,14 @@ multiple that matters (0, d - 1, d, the last multiples below 2^31) plus random o
 
 from __future__ import annotations
 
-import os
 import pathlib
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-HEADER_DIR = pathlib.Path(__file__).resolve().parents[2] / "ffi"
+from requirements import compile_host_program
+
 DRIVER = r"""
 #include <cstdint>
 #include <cstdio>
@@ -45,18 +44,7 @@ INT32_MAX = 2**31 - 1
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory) -> pathlib.Path:
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
-            pytest.fail("JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but no C++ compiler is on PATH")
-        pytest.skip("needs a C++ compiler (c++ or g++) on PATH")
-    work = tmp_path_factory.mktemp("fast_divmod")
-    source = work / "driver.cc"
-    source.write_text(DRIVER)
-    binary = work / "driver"
-    subprocess.run([compiler, "-std=c++17", "-O2", f"-I{HEADER_DIR}", str(source), "-o",
-                    str(binary)], check=True, capture_output=True)
-    return binary
+    return compile_host_program(DRIVER, tmp_path_factory.mktemp("fast_divmod"))
 
 
 def run_driver(binary: pathlib.Path, divisors: np.ndarray, numerators: np.ndarray):

@@ -1,5 +1,7 @@
 """CPU tests of the SM90 indexer logits binding (kernels/sm90_indexer_logits.py): its problem
-checks, its work split, its registration ("auto" and "native" on an SM90 device select it) and, with the extension built, that both targets are registered as
+checks, its work split, its registration ("auto" and "native" on an SM90 device select the
+mma.sync form; "native" prefers the warpgroup-MMA form where the extension has it, "auto" does not
+until it is validated) and, with the extension built, that all four targets are registered as
 command-buffer compatible. The extension tests skip when it is not importable;
 JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
 """
@@ -17,6 +19,7 @@ from jax_sparse_mla.kernels.registry import IndexerProblem
 from requirements import require_native
 
 TARGETS = {logits.PAGED_TARGET, logits.RAGGED_TARGET}
+WGMMA_TARGETS = {logits.PAGED_WGMMA_TARGET, logits.RAGGED_WGMMA_TARGET}
 PAGED_DTYPES = ("float8_e4m3fn", "uint8", "float32", "int32", "int32")
 RAGGED_DTYPES = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
 
@@ -93,12 +96,46 @@ def test_tiles_per_cta(ctas, num_tiles):
 @pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
                                         ("fp8_mqa_logits", ragged())])
 def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
-    (kernel,) = [k for k in registry.registered_op_kernels(op) if k.native]
-    assert kernel.name == "sm90_mqa_logits" and kernel.validated
-    assert kernel.capability_majors == (9,)
+    kernels = {k.name: k for k in registry.registered_op_kernels(op) if k.native}
+    assert set(kernels) == {"sm90_mqa_logits", "sm90_mqa_logits_wgmma"}
+    assert kernels["sm90_mqa_logits"].validated and not kernels["sm90_mqa_logits_wgmma"].validated
+    assert all(k.capability_majors == (9,) for k in kernels.values())
     assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
+    # The faked extension has only the mma.sync targets.
     assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits"
     assert registry.select_op_kernel(op, "xla", problem).name == "xla"
+
+
+@pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
+                                        ("fp8_mqa_logits", ragged())])
+def test_native_prefers_the_wgmma_form_auto_does_not(fake_sm90, monkeypatch, op, problem):
+    monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS))
+    assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_wgmma"
+    assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
+
+
+def test_the_wgmma_form_lowers_to_its_targets(fake_sm90, monkeypatch):
+    import jax
+    monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS))
+    q = jax.ShapeDtypeStruct((2, 1, 64, 128), jnp.float8_e4m3fn)
+    cache = jax.ShapeDtypeStruct((4, 64, 132), jnp.uint8)
+    weights = jax.ShapeDtypeStruct((2, 64), jnp.float32)
+    lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+    table = jax.ShapeDtypeStruct((2, 4), jnp.int32)
+    text = jax.jit(lambda *a: jsm.fp8_paged_mqa_logits(*a, max_context_len=256,
+                                                       implementation="native")
+                   ).lower(q, cache, weights, lens, table).as_text()
+    assert f"@{logits.PAGED_WGMMA_TARGET}(" in text
+    text = jax.jit(lambda *a: jsm.fp8_paged_mqa_logits(*a, max_context_len=256)
+                   ).lower(q, cache, weights, lens, table).as_text()
+    assert f"@{logits.PAGED_TARGET}(" in text and logits.PAGED_WGMMA_TARGET not in text
+    qr = jax.ShapeDtypeStruct((5, 64, 128), jnp.float8_e4m3fn)
+    keys = jax.ShapeDtypeStruct((300, 128), jnp.float8_e4m3fn)
+    rows = jax.ShapeDtypeStruct((5,), jnp.int32)
+    text = jax.jit(lambda *a: jsm.fp8_mqa_logits(*a, implementation="native")).lower(
+        qr, keys, jax.ShapeDtypeStruct((300,), jnp.float32),
+        jax.ShapeDtypeStruct((5, 64), jnp.float32), rows, rows).as_text()
+    assert f"@{logits.RAGGED_WGMMA_TARGET}(" in text
 
 
 def test_native_explains_a_rejected_problem(fake_sm90):
@@ -129,6 +166,6 @@ def test_extension_registers_the_logits_targets_as_graph_safe():
     module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")
-    assert TARGETS <= set(module.registrations())
-    assert TARGETS <= set(module.command_buffer_targets())
-    assert all(native.has_target(t) for t in TARGETS)
+    assert TARGETS | WGMMA_TARGETS <= set(module.registrations())
+    assert TARGETS | WGMMA_TARGETS <= set(module.command_buffer_targets())
+    assert all(native.has_target(t) for t in TARGETS | WGMMA_TARGETS)

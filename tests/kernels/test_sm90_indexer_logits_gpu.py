@@ -1,8 +1,10 @@
-"""GPU tests of the SM90 indexer logits kernels (ffi/sm90/indexer_logits.cuh) behind
-fp8_paged_mqa_logits / fp8_mqa_logits(implementation="native").
+"""GPU tests of the SM90 indexer logits kernels (ffi/sm90/indexer_logits.cuh, the mma.sync and the
+warpgroup-MMA forms) behind fp8_paged_mqa_logits / fp8_mqa_logits.
 
-Each case compares the native result with the pure-JAX path (implementation="xla") on the same fp8
-inputs over the whole output, and with a float64 NumPy reference on sampled columns of every row:
+Each case runs each form (KERNELS, called through its registered binding, since
+implementation="native" picks only the preferred one) and compares the result with the pure-JAX
+path (implementation="xla") on the same fp8 inputs over the whole output, and with a float64 NumPy
+reference on sampled columns of every row:
   - the -inf masks are identical and equal to the contract's (col < L - next_n + j + 1 for decode,
     start <= col < end for prefill), and no valid entry is NaN or infinite;
   - calc_diff (upstream's criterion, 1 - 2 sum(xy) / sum(x^2 + y^2) in float64) < 1e-3;
@@ -30,8 +32,8 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import sm90_indexer_logits
-from gpu_subprocess import assert_sanitizer_clean
+from jax_sparse_mla.kernels import registry, sm90_indexer_logits
+from gpu_subprocess import assert_sanitizer_clean, run_with_command_buffers
 from requirements import gpu_test_marks, sm90_skip_reason
 
 E4M3 = ml_dtypes.float8_e4m3fn
@@ -39,8 +41,18 @@ BLOCK = 64
 PAGE = BLOCK * 132
 
 
-SKIP_REASON = sm90_skip_reason(sm90_indexer_logits.PAGED_TARGET)
+SKIP_REASON = sm90_skip_reason(
+    sm90_indexer_logits.PAGED_TARGET, sm90_indexer_logits.RAGGED_TARGET,
+    sm90_indexer_logits.PAGED_WGMMA_TARGET, sm90_indexer_logits.RAGGED_WGMMA_TARGET)
 pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 indexer-logits tests")
+
+KERNELS = ("sm90_mqa_logits", "sm90_mqa_logits_wgmma")
+
+
+def kernel_fn(op: str, name: str):
+    """The registered native kernel `name` of `op`: its binding takes the public function's
+    checked arguments."""
+    return next(k for k in registry.registered_op_kernels(op) if k.name == name).fn
 
 
 def calc_diff(x: np.ndarray, y: np.ndarray) -> float:
@@ -132,19 +144,18 @@ def check_against_references(out, ref_out, exact_at, magnitude_at, positions, ex
         assert (error <= bound).all(), float((error / bound).max())
 
 
-def check_paged(batch, next_n, heads, lengths, max_context_len, seed=0, jit=False):
+def check_paged(batch, next_n, heads, lengths, max_context_len, kernel, seed=0, jit=False):
     rng = np.random.default_rng(seed)
     q, cache, weights, lengths, table = make_paged(rng, batch, next_n, heads, lengths,
                                                    max_context_len)
     args = (jnp.asarray(q), jnp.asarray(cache), jnp.asarray(weights), jnp.asarray(lengths),
             jnp.asarray(table))
 
-    def run(implementation):
-        fn = functools.partial(jsm.fp8_paged_mqa_logits, max_context_len=max_context_len,
-                               implementation=implementation)
-        return (jax.jit(fn) if jit else fn)(*args)
-
-    out, ref_out = run("native"), run("xla")
+    native_fn = functools.partial(kernel_fn("fp8_paged_mqa_logits", kernel),
+                                  max_context_len=max_context_len)
+    out = (jax.jit(native_fn) if jit else native_fn)(*args)
+    ref_out = jsm.fp8_paged_mqa_logits(*args, max_context_len=max_context_len,
+                                       implementation="xla")
     limits = (lengths[:, None] - next_n + 1 + np.arange(next_n)).reshape(-1)
     expected_valid = np.arange(max_context_len)[None, :] < limits[:, None]
     positions = sample_positions(rng, limits, max_context_len)
@@ -182,14 +193,17 @@ def lengths_for(spec, batch, seed):
     return spec
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("batch,next_n,heads,lengths,max_context_len", PAGED_GRID)
-def test_paged_matches_references(batch, next_n, heads, lengths, max_context_len):
-    check_paged(batch, next_n, heads, lengths_for(lengths, batch, batch), max_context_len)
+def test_paged_matches_references(batch, next_n, heads, lengths, max_context_len, kernel):
+    check_paged(batch, next_n, heads, lengths_for(lengths, batch, batch), max_context_len, kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("next_n,heads", [(1, 64), (2, 32), (3, 64)])
-def test_paged_under_jit(next_n, heads):
-    check_paged(9, next_n, heads, [0, 1, 2, 63, 64, 65, 500, 1000, 1024], 1024, seed=3, jit=True)
+def test_paged_under_jit(next_n, heads, kernel):
+    check_paged(9, next_n, heads, [0, 1, 2, 63, 64, 65, 500, 1000, 1024], 1024, kernel, seed=3,
+                jit=True)
 
 
 def test_paged_lowers_to_the_custom_call():
@@ -198,7 +212,8 @@ def test_paged_lowers_to_the_custom_call():
     fn = jax.jit(functools.partial(jsm.fp8_paged_mqa_logits, max_context_len=128,
                                    implementation="native"))
     text = fn.lower(q, cache, weights, lengths, table).as_text()
-    assert sm90_indexer_logits.PAGED_TARGET in text
+    # implementation="native" prefers the warpgroup-MMA form.
+    assert f"@{sm90_indexer_logits.PAGED_WGMMA_TARGET}(" in text
 
 
 def test_paged_lengths_past_the_width_under_jit_are_cut():
@@ -263,17 +278,15 @@ def ragged_reference(q, k, k_scale, weights, positions):
             scale * (np.abs(w) * np.abs(products).sum(-1)).sum(-1))
 
 
-def check_ragged(num_rows, num_keys, heads, kind, seed=0, jit=False):
+def check_ragged(num_rows, num_keys, heads, kind, kernel, seed=0, jit=False):
     rng = np.random.default_rng(seed + num_rows + num_keys)
     q, k, k_scale, weights, starts, ends = make_ragged(
         rng, num_rows, num_keys, heads, ranges_for(kind, rng, num_rows, num_keys))
     args = tuple(jnp.asarray(x) for x in (q, k, k_scale, weights, starts, ends))
 
-    def run(implementation):
-        fn = functools.partial(jsm.fp8_mqa_logits, implementation=implementation)
-        return (jax.jit(fn) if jit else fn)(*args)
-
-    out, ref_out = run("native"), run("xla")
+    native_fn = kernel_fn("fp8_mqa_logits", kernel)
+    out = (jax.jit(native_fn) if jit else native_fn)(*args)
+    ref_out = jsm.fp8_mqa_logits(*args, implementation="xla")
     columns = np.arange(num_keys)[None, :]
     expected_valid = (columns >= starts[:, None]) & (columns < ends[:, None])
     rows, cols = [], []
@@ -301,24 +314,27 @@ RAGGED_GRID = [
 ]
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_rows,num_keys,heads,kind", RAGGED_GRID)
-def test_ragged_matches_references(num_rows, num_keys, heads, kind):
-    check_ragged(num_rows, num_keys, heads, kind)
+def test_ragged_matches_references(num_rows, num_keys, heads, kind, kernel):
+    check_ragged(num_rows, num_keys, heads, kind, kernel)
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads", [32, 64])
-def test_ragged_under_jit(heads):
-    check_ragged(41, 700, heads, "random", seed=4, jit=True)
+def test_ragged_under_jit(heads, kernel):
+    check_ragged(41, 700, heads, "random", kernel, seed=4, jit=True)
 
 
 # --- compute-sanitizer ----------------------------------------------------------------------------
 
 MEMCHECK_SCRIPT = textwrap.dedent("""
     import test_sm90_indexer_logits_gpu as cases
-    for shape in cases.MEMCHECK_PAGED:
-        cases.check_paged(*shape)
-    for shape in cases.MEMCHECK_RAGGED:
-        cases.check_ragged(*shape)
+    for kernel in cases.KERNELS:
+        for shape in cases.MEMCHECK_PAGED:
+            cases.check_paged(*shape, kernel)
+        for shape in cases.MEMCHECK_RAGGED:
+            cases.check_ragged(*shape, kernel)
     print("MEMCHECK GRID PASSED")
 """)
 MEMCHECK_PAGED = [(3, 2, 64, [0, 1, 130], 192), (4, 1, 32, [64, 65, 3, 256], 256),
@@ -331,3 +347,51 @@ def test_sanitizer_clean(tool, tmp_path):
     """A small grid under compute-sanitizer (memcheck: out-of-bounds and misaligned accesses;
     racecheck: shared-memory hazards): every case matches and the tool reports nothing."""
     assert_sanitizer_clean(MEMCHECK_SCRIPT, tmp_path, tool)
+
+
+# --- command buffers ------------------------------------------------------------------------------
+
+COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_sparse_mla as jsm
+    from jax_sparse_mla.kernels import sm90_indexer_logits as logits
+    import test_sm90_indexer_logits_gpu as cases
+    rng = np.random.default_rng(0)
+    paged = tuple(jnp.asarray(x) for x in cases.make_paged(rng, 4, 2, 64, [5, 70, 130, 256], 256))
+    ragged = tuple(jnp.asarray(x) for x in cases.make_ragged(
+        rng, 9, 300, 32, cases.ranges_for("causal", rng, 9, 300)))
+
+    def loop(impl):
+        def run(paged, ragged):
+            q, cache, weights, lengths, table = paged
+            def body(i, acc):
+                # Lengths that change per iteration, so that the custom calls' operands are
+                # computed inside the loop and both paths see the same inputs.
+                a = jsm.fp8_paged_mqa_logits(q, cache, weights, lengths - i, table,
+                                             max_context_len=256, implementation=impl)
+                b = jsm.fp8_mqa_logits(*ragged[:5], ragged[5] - i, implementation=impl)
+                return (acc[0] + jnp.where(jnp.isneginf(a), 0.0, a),
+                        acc[1] + jnp.where(jnp.isneginf(b), 0.0, b))
+            zeros = (jnp.zeros((8, 256), jnp.float32), jnp.zeros((9, 300), jnp.float32))
+            return jax.lax.fori_loop(0, 3, body, zeros)
+        return jax.jit(run)(paged, ragged)
+
+    native, reference = loop("native"), loop("xla")
+    close = all(cases.calc_diff(np.asarray(x), np.asarray(y)) < 1e-3
+                for x, y in zip(native, reference))
+    targets = (logits.PAGED_WGMMA_TARGET, logits.RAGGED_WGMMA_TARGET)
+    from gpu_subprocess import custom_calls_in_command_buffers
+    custom_calls, captured, _ = custom_calls_in_command_buffers(sys.argv[1], targets)
+    print("RESULT", close, custom_calls, captured)
+""")
+
+
+def test_under_command_buffers(tmp_path):
+    """The handlers claim kCmdBufferCompatible: run the preferred (native) form of both ops inside
+    XLA command buffers, against pure JAX."""
+    result = run_with_command_buffers(COMMAND_BUFFER_SCRIPT, [], tmp_path)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
+    _, close, custom_calls, captured = line.split()
+    assert close == "True", line
+    assert int(custom_calls) > 0 and captured == custom_calls, line

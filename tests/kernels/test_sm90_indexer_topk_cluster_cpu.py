@@ -14,9 +14,7 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
-import shutil
 import subprocess
 
 import jax
@@ -26,10 +24,9 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import native, registry, sm90_indexer_topk as topk
-from jax_sparse_mla.kernels.registry import IndexerProblem
 from reference import top_k_np
-
-FFI_DIR = pathlib.Path(__file__).resolve().parents[2] / "ffi"
+from requirements import compile_host_program, require_native
+from test_sm90_indexer_topk_cpu import problem
 BINS, PASSES = 2048, ((21, 0x7FF), (10, 0x7FF), (0, 0x3FF))
 
 
@@ -165,16 +162,7 @@ int main() {
 
 @pytest.fixture(scope="module")
 def plan_driver(tmp_path_factory) -> pathlib.Path:
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        if os.environ.get("JAX_SPARSE_MLA_REQUIRE_NATIVE") == "1":
-            pytest.fail("JAX_SPARSE_MLA_REQUIRE_NATIVE=1 but no C++ compiler is on PATH")
-        pytest.skip("needs a C++ compiler (c++ or g++) on PATH")
-    work = tmp_path_factory.mktemp("topk_plan")
-    (work / "driver.cc").write_text(PLAN_DRIVER)
-    subprocess.run([compiler, "-std=c++17", "-O2", f"-I{FFI_DIR}", str(work / "driver.cc"), "-o",
-                    str(work / "driver")], check=True, capture_output=True)
-    return work / "driver"
+    return compile_host_program(PLAN_DRIVER, tmp_path_factory.mktemp("topk_plan"))
 
 
 def plan(driver, cases):
@@ -212,16 +200,6 @@ def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
 
 OPS = {"top_k_per_row": (topk.TARGET, topk.TARGET_CLUSTER),
        "top_k_per_row_decode": (topk.TARGET_DECODE, topk.TARGET_DECODE_CLUSTER)}
-
-
-def problem(op, **override):
-    base = dict(num_rows=8, num_keys=131072, top_k=2048,
-                dtypes=("float32", "int32", "int32") if op == "top_k_per_row" else
-                ("float32", "int32"))
-    if op == "top_k_per_row_decode":
-        base.update(batch=4, next_n=2)
-    base.update(override)
-    return IndexerProblem(op, **base)
 
 
 @pytest.fixture
@@ -283,7 +261,6 @@ def test_public_ops_lower_to_the_cluster_calls(fake_sm90):
 
 
 def test_extension_registers_the_cluster_targets_as_graph_safe():
-    from requirements import require_native
     module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")

@@ -1,0 +1,31 @@
+// Helpers for warpgroup MMAs (wgmma) on SM90 with operands in shared memory: the operand
+// descriptor and the proxy fence between threads' stores and wgmma's reads. Shared by the fp8
+// decode kernel (sm90_fp8_wide_kernel.cuh) and the indexer logits (indexer_logits.cuh).
+#pragma once
+
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cstdint>
+
+#include "sm90/sm90_async.cuh"
+
+namespace jax_sparse_mla::sm90 {
+
+// Threads' shared-memory stores, before wgmma (the async proxy) reads them.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Descriptor of an unswizzled wgmma operand at `start`: core matrices 16 bytes wide, 8 rows of 16
+// bytes each; `leading` and `stride` are the byte offsets of the next core matrix along the two
+// dimensions (K-major: along K, then along M/N; MN-major: along K, then along M/N as well, in the
+// canonical forms of CUTLASS's make_gmma_desc).
+__device__ __forceinline__ uint64_t Descriptor(const void* start, int leading, int stride) {
+  cute::GmmaDescriptor descriptor;
+  descriptor.desc_ = 0;
+  descriptor.bitfield.start_address_ = static_cast<uint16_t>(SmemAddress(start) >> 4);
+  descriptor.bitfield.leading_byte_offset_ = static_cast<uint16_t>(leading >> 4);
+  descriptor.bitfield.stride_byte_offset_ = static_cast<uint16_t>(stride >> 4);
+  return descriptor.desc_;
+}
+
+}  // namespace jax_sparse_mla::sm90

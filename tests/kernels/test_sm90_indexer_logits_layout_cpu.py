@@ -1,0 +1,105 @@
+"""A per-lane NumPy model of the warpgroup-MMA form of the SM90 indexer logits
+(ffi/sm90/indexer_logits.cuh: StoreQueryOperand, LoadKeyFragment, TileHeadSumsWgmma), run on CPU.
+
+The model moves bytes exactly as the kernel does and combines them exactly as PTX defines the
+instruction: `wgmma.mma_async.m64nNk32.f32.e4m3.e4m3` with A from registers (per warp the m16n8k32
+A fragment: register r of lane (g, t) holds row 16 w + g + 8 (r % 2), k 4 t + 16 (r // 2) + byte)
+and B from shared memory through an unswizzled K-major descriptor (element (n, k) at
+start + (k // 16) * LBO + (n // 8) * SBO + (n % 8) * 16 + k % 16), with the kernel's start, LBO and
+SBO for each k-step. It checks that every accumulator is the dot product of its key and query column
+over the 128 real dims (the dim permutation of A and B agree), for both operand widths (32 and 64
+columns), and that the accumulator layout is the one HeadSums reads. Bytes stand for e4m3 values as
+small integers: the question is where each byte goes, not the arithmetic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+DIM = 128
+TILE_KEYS = 64
+
+
+def store_query_operand(query: np.ndarray) -> np.ndarray:
+    """StoreQueryOperand for one group: query [N, 128] -> the operand's N * 128 bytes; K chunk c of
+    column n at c * N * 16 + n * 16 holds the column's 32-bit words c, 8 + c, 16 + c, 24 + c."""
+    columns = len(query)
+    operand = np.zeros(columns * DIM, np.int64)
+    words = query.reshape(columns, 32, 4)  # [column, word, byte]
+    for n in range(columns):
+        for chunk in range(8):
+            sixteen = np.concatenate([words[n, 8 * i + chunk] for i in range(4)])
+            start = chunk * columns * 16 + n * 16
+            operand[start:start + 16] = sixteen
+    return operand
+
+
+def key_fragments(tile: np.ndarray, warp: int, lane: int):
+    """LoadKeyFragment: rows g and g + 8 of the warp's m16 tile, the lane's 32-byte chunk of each,
+    as 8 words of 4 bytes (the bank-conflict swap leaves the registers as they are)."""
+    g, t = lane // 4, lane % 4
+    row = 16 * warp + g
+    lo = tile[row, 32 * t:32 * t + 32].reshape(8, 4)
+    hi = tile[row + 8, 32 * t:32 * t + 32].reshape(8, 4)
+    return lo, hi
+
+
+def wgmma_register_a(columns: int, operand: np.ndarray, tile: np.ndarray) -> np.ndarray:
+    """D [64, N] of the four k-steps, from the lanes' A registers and the B descriptor."""
+    leading, stride = columns * 16, 128  # the kernel's Descriptor(..., N * 16, 128)
+    a = np.zeros((4, TILE_KEYS, 32), np.int64)  # [k-step, m, logical k]
+    for warp in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            lo, hi = key_fragments(tile, warp, lane)
+            for ks in range(4):
+                registers = (lo[2 * ks], hi[2 * ks], lo[2 * ks + 1], hi[2 * ks + 1])
+                for r, register in enumerate(registers):
+                    m = 16 * warp + g + 8 * (r % 2)
+                    k0 = 4 * t + 16 * (r // 2)
+                    a[ks, m, k0:k0 + 4] = register
+    d = np.zeros((TILE_KEYS, columns), np.int64)
+    for ks in range(4):
+        start = ks * 2 * columns * 16  # query + ks * kStep (in bytes)
+        n, k = np.meshgrid(np.arange(columns), np.arange(32), indexing="ij")
+        address = start + (k // 16) * leading + (n // 8) * stride + (n % 8) * 16 + k % 16
+        b = operand[address]  # [N, 32]
+        d += a[ks] @ b.T
+    return d
+
+
+@pytest.mark.parametrize("columns", [32, 64])
+def test_wgmma_operands_give_every_dot_product(columns):
+    rng = np.random.default_rng(columns)
+    query = rng.integers(-7, 8, (columns, DIM))
+    tile = rng.integers(-7, 8, (TILE_KEYS, DIM))
+    d = wgmma_register_a(columns, store_query_operand(query), tile)
+    np.testing.assert_array_equal(d, tile @ query.T)
+
+
+def test_a_wrong_word_order_is_caught():
+    """The model can fail: the query's words in plain order (no permutation) give other sums."""
+    rng = np.random.default_rng(1)
+    query = rng.integers(-7, 8, (64, DIM))
+    tile = rng.integers(-7, 8, (TILE_KEYS, DIM))
+    plain = np.zeros(64 * DIM, np.int64)
+    for n in range(64):
+        for chunk in range(8):
+            plain[chunk * 64 * 16 + n * 16:chunk * 64 * 16 + n * 16 + 16] = \
+                query[n, 16 * chunk:16 * chunk + 16]
+    assert not np.array_equal(wgmma_register_a(64, plain, tile), tile @ query.T)
+
+
+def test_accumulator_layout_is_the_mma_sync_layout():
+    """wgmma's f32 accumulator i of lane (g, t) in warp w is (row 16 w + g + 8 ((i / 2) % 2),
+    column 8 (i / 4) + 2 t + i % 2); HeadSums reads acc[n][j] = element 4 n + j as the m16n8
+    layout: (key 16 w + g + 8 (j / 2), column 8 n + 2 t + j % 2). The same map."""
+    for warp in range(4):
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            for i in range(32):
+                wgmma = (16 * warp + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * t + i % 2)
+                n, j = divmod(i, 4)
+                mma_sync = (16 * warp + g + 8 * (j // 2), 8 * n + 2 * t + j % 2)
+                assert wgmma == mma_sync
