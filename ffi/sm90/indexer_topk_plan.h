@@ -24,17 +24,19 @@ struct ClusterPlan {
 };
 
 // The cluster for R rows of width S on a GPU of num_sms SMs: the fewest CTAs whose chunks of a row
-// fit kMaxClusterKeyBytes, doubled while R x C CTAs leave SMs idle and the chunks keep at least
-// kMinClusterKeysPerCta keys. A row's groups number ceil((len + lead) / 4) <= ceil((S + 3) / 4)
-// (lead <= 3: the row start's misalignment in floats). False when even kMaxClusterSize CTAs cannot
-// hold a row: S > kMaxClusterSize * kMaxClusterGroupsPerCta * 4 - 3.
+// fit kMaxClusterKeyBytes, doubled while the doubled grid, R x 2C CTAs, still runs in one wave (one
+// CTA per SM: 512 threads of ~100 registers) and the chunks keep at least kMinClusterKeysPerCta
+// keys. A second wave would double the latency that the smaller chunks save. A row's groups number
+// ceil((len + lead) / 4) <= ceil((S + 3) / 4) (lead <= 3: the row start's misalignment in floats).
+// False when even kMaxClusterSize CTAs cannot hold a row: S > kMaxClusterSize *
+// kMaxClusterGroupsPerCta * 4 - 3.
 inline bool PlanCluster(int64_t num_rows, int64_t width, int num_sms, ClusterPlan* plan) {
   const int64_t max_groups = (width + 3 + kGroupPositions - 1) / kGroupPositions;
   auto per_cta = [&](int ctas) { return (max_groups + ctas - 1) / ctas; };
   int ctas = 1;
   while (ctas < kMaxClusterSize && per_cta(ctas) > kMaxClusterGroupsPerCta) ctas *= 2;
   if (per_cta(ctas) > kMaxClusterGroupsPerCta) return false;
-  while (ctas < kMaxClusterSize && num_rows * ctas < num_sms &&
+  while (ctas < kMaxClusterSize && num_rows * 2 * ctas <= num_sms &&
          per_cta(2 * ctas) * kGroupPositions >= kMinClusterKeysPerCta) {
     ctas *= 2;
   }

@@ -7,7 +7,8 @@
   compaction), against the float64 NumPy rule (tests/reference.py) on adversarial rows for every
   cluster size and lead;
 * the host plan (ffi/sm90/indexer_topk_plan.h, compiled from that header as host C++): every row
-  fits the chunks it is given, and it accepts exactly the widths the Python check accepts;
+  fits the chunks it is given, the grid grows only within one wave, and it accepts exactly the
+  widths the Python check accepts;
 * the registration: not validated (so "auto" passes it over), preferred by "native" where it fits,
   the check's limits, and the custom calls it lowers to on a faked SM90 device.
 """
@@ -178,6 +179,14 @@ def test_plan_accepts_exactly_the_checked_widths(plan_driver):
     assert [ok for ok, _, _ in results] == [1, 0, 1, 0]
 
 
+def test_plan_of_the_benchmarked_shapes(plan_driver):
+    """The split docs/kernels/sm90-indexer.md quotes for an H200 (132 SMs)."""
+    cases = {(1, 131072): 8, (1, 8192): 4, (32, 65536): 4, (32, 131072): 4, (128, 8192): 1,
+             (128, 65536): 2, (4096, 131072): 4}
+    results = plan(plan_driver, [(r, s, 132) for r, s in cases])
+    assert [ctas for _, ctas, _ in results] == list(cases.values())
+
+
 @pytest.mark.parametrize("sms", [132, 78, 16])
 def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
     cases = [(r, s, sms) for r in (1, 2, 4, 17, 32, 128, 4096)
@@ -188,11 +197,12 @@ def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
         groups = -(-(width + 3) // 4)  # the most groups a row of this width spans (lead <= 3)
         assert capacity == -(-groups // ctas) and capacity * 16 <= 160 * 1024
         if ctas > 1:
-            # Doubled only for shared memory or while SMs were idle and chunks kept >= 2048 keys.
+            # Doubled only for shared memory, or while the grid stayed in one wave (one CTA per
+            # SM) and chunks kept >= 2048 keys.
             half = -(-groups // (ctas // 2))
-            assert half * 16 > 160 * 1024 or (rows * (ctas // 2) < sms and capacity * 4 >= 2048)
-        if ctas < 8 and rows * ctas < sms:
-            # Not doubled although SMs were idle: the chunks would have been too small.
+            assert half * 16 > 160 * 1024 or (rows * ctas <= sms and capacity * 4 >= 2048)
+        if ctas < 8 and rows * 2 * ctas <= sms:
+            # Not doubled although one wave had room: the chunks would have been too small.
             assert -(-groups // (2 * ctas)) * 4 < 2048
 
 
