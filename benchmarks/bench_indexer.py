@@ -2,22 +2,25 @@
 prefill (ragged logits over a chunk of query rows, their top-k), beside pure JAX and torch.
 
 Run: python benchmarks/bench_indexer.py [--out benchmarks/results] [--batch 1 32 128]
-     [--context 8192 65536 131072] [--prefill-keys 8192 65536 131072] [--backends native xla torch]
+     [--context 8192 65536 131072] [--prefill-keys 8192 65536 131072]
+     [--backends native auto xla torch]
      [--smoke]
 
 Decode, for B in {1, 32, 128} x context L in {8192, 65536, 131072} (every request of length L,
 next_n = 1, H = 64, k = 2048):
-  logits  fp8_paged_mqa_logits(..., max_context_len=L): "native" (implementation="native", the SM90
-          kernel) and "xla" (pure JAX)
-  topk    top_k_per_row_decode on those logits: "native", "auto" (with "native" in --backends: what
-          implementation="auto" runs, which differs from "native" while a native kernel, such as
-          the cluster top-k, is not yet validated), "xla", "lax_top_k" (jax.lax.top_k(logits,
-          2048) alone, the bound the pure-JAX op is held to) and "torch" (torch.topk(logits, 2048))
-  select  logits + top-k in one jitted function (one indexer layer's selection): "native", "xla"
+  logits  fp8_paged_mqa_logits(..., max_context_len=L): "native" (implementation="native": the
+          preferred SM90 kernel, validated or not), "auto" (what implementation="auto" runs: the
+          validated kernels; differs from "native" while a newer form is not yet validated; not in
+          the default --backends) and "xla" (pure JAX)
+  topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
+          (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to) and "torch"
+          (torch.topk(logits, 2048))
+  select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
+          "xla"
   GB/s counts the fp8 key bytes the logits read, 132 per cached token (B * L * 132), for every op.
 Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of N keys, N in {8192,
 65536, 131072}; row i sees keys [0, N - M + i + 1), causal):
-  prefill_logits  fp8_mqa_logits: "native", and "xla" where N <= --xla-prefill-max-keys
+  prefill_logits  fp8_mqa_logits: "native", "auto", and "xla" where N <= --xla-prefill-max-keys
   prefill_topk    top_k_per_row over those rows: "native", "auto", "xla" (same limit), "torch"
                   (torch.topk over the whole width, whose -inf columns stand outside the rows)
   TFLOP/s counts the in-range products, 2 * 64 * 128 * sum_i len_i; GB/s the logits written (fp32).
@@ -162,7 +165,7 @@ def bench_decode(batch, context, backends, repeats, record):
     n_max = max(CALLS[b][1] for b in CALLS)
     queries = [q * (i % 3 + 1) for i in range(n_max)]  # distinct arrays, same magnitudes
     scores = None
-    for backend in [b for b in backends if b in ("native", "xla")]:
+    for backend in [b for b in backends if b in ("native", "auto", "xla")]:
         calls = CALLS[backend]
 
         def logits(qi, cache, weights, lengths, table, backend=backend):
@@ -189,13 +192,6 @@ def bench_decode(batch, context, backends, repeats, record):
             skipped(record.log, backend, error)
     if scores is None:
         return
-    if "native" in backends:
-        try:
-            record.add("topk", "auto", batch, context, slope_seconds(
-                lambda s, lengths: jsm.top_k_per_row_decode(s, lengths, k=TOP_K),
-                score_sets, (lengths,), CALLS["auto"], repeats), key_bytes)
-        except (ValueError, RuntimeError) as error:
-            skipped(record.log, "auto", error)
     if "xla" in backends:
         record.add("topk", "lax_top_k", batch, context,
                    slope_seconds(lambda s: jax.lax.top_k(s, TOP_K)[1], score_sets, (),
@@ -215,7 +211,7 @@ def bench_prefill(num_keys, backends, repeats, record, xla_max_keys, num_rows=PR
     queries = [q * (i % 3 + 1) for i in range(PREFILL_CALLS[1])]
     extra = lambda seconds: dict(M=num_rows, tflops=flop / seconds / 1e12 if seconds else 0.0)  # noqa: E731
     score_sets = None
-    for backend in [b for b in backends if b in ("native", "xla")]:
+    for backend in [b for b in backends if b in ("native", "auto", "xla")]:
         if backend == "xla" and num_keys > xla_max_keys:
             continue
 
@@ -238,14 +234,6 @@ def bench_prefill(num_keys, backends, repeats, record, xla_max_keys, num_rows=PR
             record.add("prefill_topk", backend, 1, num_keys, seconds, logits_bytes, M=num_rows)
         except (ValueError, RuntimeError) as error:
             skipped(record.log, backend, error)
-    if "native" in backends and score_sets is not None:
-        try:
-            seconds = slope_seconds(
-                lambda s, starts, ends: jsm.top_k_per_row(s, starts, ends, k=TOP_K),
-                score_sets, (starts, ends), PREFILL_CALLS, repeats)
-            record.add("prefill_topk", "auto", 1, num_keys, seconds, logits_bytes, M=num_rows)
-        except (ValueError, RuntimeError) as error:
-            skipped(record.log, "auto", error)
     if "torch" in backends and score_sets is not None:
         seconds = torch_topk_seconds(score_sets, repeats)
         if seconds is not None:
@@ -288,7 +276,7 @@ def main(argv=None):
     parser.add_argument("--xla-prefill-max-keys", type=int, default=8192,
                         help="largest N whose prefill rows also run pure JAX (it is slow)")
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
-                        choices=["native", "xla", "torch"])
+                        choices=["native", "auto", "xla", "torch"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")
