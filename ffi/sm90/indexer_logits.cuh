@@ -293,18 +293,27 @@ using WgmmaE4m3 = std::conditional_t<
 template <class L>
 __device__ __forceinline__ void StoreQueryOperand(uint8_t* operand, const uint8_t* q_cta,
                                                   int valid_rows) {
-  // One (column, K chunk) pair per step: 16 bytes gathered from four 32-bit words of the column.
-  for (int i = threadIdx.x; i < L::kCols * 8; i += L::kThreads) {
-    const int column = i / 8, chunk = i % 8;
+  // Half h of a column holds K chunks 4 h .. 4 h + 3, which take words 8 j + 4 h + (0..3) for
+  // j = 0..3: four 16-byte loads of the column, then four 16-byte stores.
+  for (int i = threadIdx.x; i < L::kCols * 2; i += L::kThreads) {
+    const int column = i / 2, half = i % 2;
     const int group = column / L::kWarpCols, n = column % L::kWarpCols;
-    uint4 bytes = make_uint4(0, 0, 0, 0);
+    uint32_t words[4][4] = {};  // words[j][c] = the column's word 8 j + 4 half + c
     if (column / L::kHeads < valid_rows) {
-      const uint32_t* words =
-          reinterpret_cast<const uint32_t*>(q_cta + static_cast<int64_t>(column) * kHeadDim);
-      bytes = make_uint4(words[chunk], words[8 + chunk], words[16 + chunk], words[24 + chunk]);
+      const uint8_t* source = q_cta + static_cast<int64_t>(column) * kHeadDim + 16 * half;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const uint4 v = *reinterpret_cast<const uint4*>(source + 32 * j);
+        words[j][0] = v.x, words[j][1] = v.y, words[j][2] = v.z, words[j][3] = v.w;
+      }
     }
-    *reinterpret_cast<uint4*>(operand + group * L::kWarpCols * kHeadDim +
-                              chunk * L::kWarpCols * 16 + n * 16) = bytes;
+    uint8_t* column_base = operand + group * L::kWarpCols * kHeadDim + n * 16;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int chunk = 4 * half + c;
+      *reinterpret_cast<uint4*>(column_base + chunk * L::kWarpCols * 16) =
+          make_uint4(words[0][c], words[1][c], words[2][c], words[3][c]);
+    }
   }
 }
 

@@ -35,6 +35,22 @@ def store_query_operand(query: np.ndarray) -> np.ndarray:
     return operand
 
 
+def store_query_operand_by_halves(query: np.ndarray) -> np.ndarray:
+    """StoreQueryOperand's loop as the kernel runs it: half h of column n loads the 16-byte pieces
+    at bytes 32 j + 16 h (j = 0..3), then stores chunk 4 h + c as word c of each piece."""
+    columns = len(query)
+    operand = np.zeros(columns * DIM, np.int64)
+    for i in range(columns * 2):
+        n, half = divmod(i, 2)
+        pieces = [query[n, 32 * j + 16 * half:32 * j + 16 * half + 16].reshape(4, 4)
+                  for j in range(4)]  # pieces[j][c] = word 8 j + 4 half + c (4 bytes)
+        for c in range(4):
+            chunk = 4 * half + c
+            start = chunk * columns * 16 + n * 16
+            operand[start:start + 16] = np.concatenate([pieces[j][c] for j in range(4)])
+    return operand
+
+
 def key_fragments(tile: np.ndarray, warp: int, lane: int):
     """LoadKeyFragment: rows g and g + 8 of the warp's m16 tile, the lane's 32-byte chunk of each,
     as 8 words of 4 bytes (the bank-conflict swap leaves the registers as they are)."""
@@ -76,6 +92,13 @@ def test_wgmma_operands_give_every_dot_product(columns):
     tile = rng.integers(-7, 8, (TILE_KEYS, DIM))
     d = wgmma_register_a(columns, store_query_operand(query), tile)
     np.testing.assert_array_equal(d, tile @ query.T)
+
+
+@pytest.mark.parametrize("columns", [32, 64])
+def test_the_kernels_store_loop_writes_that_layout(columns):
+    query = np.random.default_rng(columns + 1).integers(-7, 8, (columns, DIM))
+    np.testing.assert_array_equal(store_query_operand_by_halves(query),
+                                  store_query_operand(query))
 
 
 def test_a_wrong_word_order_is_caught():
