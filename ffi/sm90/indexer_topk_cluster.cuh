@@ -39,6 +39,9 @@ namespace jax_sparse_mla::indexer_topk {
 
 static_assert(kGroupPositions == kVec, "the plan counts the kernel's float4 groups");
 
+// Groups whose loads a thread issues together while loading its chunk.
+constexpr int kLoadBatch = 4;
+
 struct alignas(16) ClusterShared {
   uint32_t hist[2][kBins];  // pass p uses hist[p % 2]; read as uint4 by other CTAs
   uint32_t warp_sums[kWarps];
@@ -87,20 +90,32 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
   __syncthreads();
 
   // 1. Load, and the first pass's histogram (no prefix to match yet). Slots outside the row hold
-  // 0 and are never read.
-#pragma unroll 2
-  for (int j = threadIdx.x; j < n_groups; j += kThreads) {
-    float v[kVec];
-    bool valid[kVec];
-    int64_t first;
-    LoadGroup(row, g_begin + j, v, valid, first);
-    uint32_t key[kVec];
+  // 0 and are never read. Each thread issues kLoadBatch groups' loads before it converts any (the
+  // atomics between them would otherwise keep the compiler from overlapping the loads): with few
+  // CTAs on a long row (batch 1) the time to bring the chunk in is set by the loads in flight.
+#pragma unroll 1
+  for (int base = 0; base < n_groups; base += kLoadBatch * kThreads) {
+    float v[kLoadBatch][kVec];
+    bool valid[kLoadBatch][kVec];
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      key[e] = valid[e] ? OrderKey(v[e]) : 0u;
-      if (valid[e]) atomicAdd(&smem.hist[0][key[e] >> PassShift(0)], 1u);
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int j = base + u * kThreads + threadIdx.x;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) valid[u][e] = false;
+      int64_t first;
+      if (j < n_groups) LoadGroup(row, g_begin + j, v[u], valid[u], first);
     }
-    key_groups[j] = make_uint4(key[0], key[1], key[2], key[3]);
+#pragma unroll
+    for (int u = 0; u < kLoadBatch; ++u) {
+      const int j = base + u * kThreads + threadIdx.x;
+      uint32_t key[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) {
+        key[e] = valid[u][e] ? OrderKey(v[u][e]) : 0u;
+        if (valid[u][e]) atomicAdd(&smem.hist[0][key[e] >> PassShift(0)], 1u);
+      }
+      if (j < n_groups) key_groups[j] = make_uint4(key[0], key[1], key[2], key[3]);
+    }
   }
 
   // 2. Radix passes over the cluster's histograms.
