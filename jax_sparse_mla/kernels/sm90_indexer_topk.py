@@ -24,6 +24,8 @@ it over.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,46 +90,39 @@ def _empty(num_rows: int, k: int) -> jax.Array:
     return jnp.full((num_rows, k), -1, jnp.int32)
 
 
-def _per_row_fn(target: str):
-    def top_k_per_row(logits: jax.Array, row_starts: jax.Array, row_ends: jax.Array, *,
-                      k: int) -> jax.Array:
-        """logits f32 [R, S], row_starts / row_ends int32 [R] -> int32 [R, k] (contract:
-        ops.indexer.top_k_per_row)."""
-        num_rows, width = logits.shape
-        if num_rows == 0 or width == 0:  # nothing to read; the reference's answer, no launch
-            return _empty(num_rows, k)
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
-                                vmap_method="sequential")
-        return call(logits, row_starts, row_ends)
-
-    return top_k_per_row
+def _top_k_per_row(logits: jax.Array, row_starts: jax.Array, row_ends: jax.Array, *, k: int,
+                   target: str = TARGET) -> jax.Array:
+    """logits f32 [R, S], row_starts / row_ends int32 [R] -> int32 [R, k] (contract:
+    ops.indexer.top_k_per_row), through the FFI `target`."""
+    num_rows, width = logits.shape
+    if num_rows == 0 or width == 0:  # nothing to read; the reference's answer, no launch
+        return _empty(num_rows, k)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                            vmap_method="sequential")
+    return call(logits, row_starts, row_ends)
 
 
-def _decode_fn(target: str):
-    def top_k_per_row_decode(logits: jax.Array, context_lens: jax.Array, *, next_n: int,
-                             k: int) -> jax.Array:
-        """logits f32 [B * next_n, S], context_lens int32 [B] -> int32 [B * next_n, k] (contract:
-        ops.indexer.top_k_per_row_decode)."""
-        num_rows, width = logits.shape
-        if num_rows == 0 or width == 0:
-            return _empty(num_rows, k)
-        call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
-                                vmap_method="sequential")
-        return call(logits, context_lens, next_n=np.int64(next_n))
-
-    return top_k_per_row_decode
+def _top_k_per_row_decode(logits: jax.Array, context_lens: jax.Array, *, next_n: int, k: int,
+                          target: str = TARGET_DECODE) -> jax.Array:
+    """logits f32 [B * next_n, S], context_lens int32 [B] -> int32 [B * next_n, k] (contract:
+    ops.indexer.top_k_per_row_decode), through the FFI `target`."""
+    num_rows, width = logits.shape
+    if num_rows == 0 or width == 0:
+        return _empty(num_rows, k)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((num_rows, k), jnp.int32),
+                            vmap_method="sequential")
+    return call(logits, context_lens, next_n=np.int64(next_n))
 
 
 def _register(name: str, check, validated: bool, target: str, target_decode: str) -> None:
-    for op, fn in (("top_k_per_row", _per_row_fn(target)),
-                   ("top_k_per_row_decode", _decode_fn(target_decode))):
-        op_target = target if op == "top_k_per_row" else target_decode
+    for op, fn, op_target in (("top_k_per_row", _top_k_per_row, target),
+                              ("top_k_per_row_decode", _top_k_per_row_decode, target_decode)):
         registry.register_op_kernel(registry.OpKernel(
             op=op,
             name=name,
             native=True,
             capability_majors=(9,),
-            fn=fn,
+            fn=functools.partial(fn, target=op_target),
             available=lambda op_target=op_target: native.has_target(op_target),
             check=check,
             validated=validated,
