@@ -61,6 +61,19 @@ def run_with_command_buffers(script: str, args: list[str], tmp_path) -> subproce
     return result
 
 
+def assert_matches_inside_command_buffers(script: str, tmp_path) -> None:
+    """Runs `script` under run_with_command_buffers; the script prints "RESULT <matches> <custom-call
+    thunks> <captured>" (its native and reference results agreed; custom_calls_in_command_buffers'
+    counts). Asserts that they agreed and that every custom call of our targets ran inside a command
+    buffer."""
+    result = run_with_command_buffers(script, [], tmp_path)
+    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
+    _, matches, custom_calls, captured = line.split()
+    assert matches == "True", line
+    assert int(custom_calls) > 0 and captured == custom_calls, (
+        "no XLA dump shows the custom calls inside a command buffer:\n" + result.stdout[-3000:])
+
+
 def custom_calls_in_command_buffers(dump_dir: str, targets) -> tuple[int, int, list[str]]:
     """(custom-call thunks, those inside a command buffer, the first thunk lines) over the modules
     of an XLA dump whose optimised HLO calls any of `targets`.

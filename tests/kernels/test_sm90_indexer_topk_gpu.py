@@ -26,7 +26,7 @@ import pytest
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import registry, sm90_indexer_topk
-from gpu_subprocess import assert_sanitizer_clean, run_with_command_buffers
+from gpu_subprocess import assert_matches_inside_command_buffers, assert_sanitizer_clean
 from reference import top_k_np
 from requirements import gpu_test_marks, sm90_skip_reason
 
@@ -330,9 +330,4 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 
 def test_under_command_buffers(tmp_path):
     """The handlers claim kCmdBufferCompatible: run them inside XLA command buffers."""
-    result = run_with_command_buffers(COMMAND_BUFFER_SCRIPT, [], tmp_path)
-    line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
-    _, same, custom_calls, captured = line.split()
-    assert same == "True", line
-    assert int(custom_calls) > 0 and captured == custom_calls, (
-        "no XLA dump shows the custom calls inside a command buffer:\n" + result.stdout[-3000:])
+    assert_matches_inside_command_buffers(COMMAND_BUFFER_SCRIPT, tmp_path)
