@@ -5,9 +5,12 @@ Run: python benchmarks/bench_sm90.py [--out benchmarks/results] [--tokens ..] [-
 
 In one process, by default for T in {1, 8, 32, 128, 512} x H in {16, 64, 128}, K = 2048, bf16 cache,
 and T in {8, 128, 512} x H in {16, 128} with fp8 caches (per-tensor e4m3 "fp8", and "fp8_ds_mla"):
-  native            jax.jit(sparse_mla_decode(..., implementation="native")), bf16 cache: FlashInfer's
-                    Hopper MLA kernel behind our XLA FFI handler
-  native_fp8        the same call with an fp8 cache: our fp8 kernel (ffi/sm90/sm90_fp8_kernel.cuh)
+  native            bf16 cache: FlashInfer's Hopper MLA kernel behind our XLA FFI handler (what
+                    implementation="auto" runs), jitted
+  native_bf16       bf16 cache: our 64-head kernel over bf16 rows (kernel "sm90_bf16", what
+                    implementation="native" runs), jitted
+  native_fp8        jax.jit(sparse_mla_decode(..., implementation="native")) with an fp8 cache: our fp8
+                    kernels (ffi/sm90/sm90_fp8_kernel.cuh, sm90_fp8_wide_kernel.cuh)
   native_fa3_fp8    FlashInfer's Hopper MLA kernel on the per-tensor fp8 cache behind our handler
   xla               jax.jit(sparse_mla_decode(..., implementation="xla"))     (pure JAX)
   flashinfer_torch  FlashInfer's BatchMLAPagedAttentionWrapper(backend="fa3"), page_size = 1, from torch
@@ -26,7 +29,8 @@ Timing: per-call device time in steady state.
 FLOP = 2*T*H*K*(576+512); bytes = T*K*row_bytes + T*H*(576+512)*2 (q in, out out), row_bytes =
 1152 (bf16), 576 (fp8) or 656 (fp8_ds_mla).
 Roofline in the same run: bf16 8192^3 matmul (torch) and a 4 GiB device copy (bytes read + written).
-Also: T = 1 per-iteration time of a jitted decode loop (lax.fori_loop of 200 steps).
+Also: T = 1 per-iteration time of a jitted decode loop (lax.fori_loop of 200 steps) for each cache
+of --kv-dtypes and each native backend above (FlashInfer from torch aside) and pure JAX.
 Writes <out>/h200.json and <out>/h200.png.
 """
 
@@ -140,16 +144,28 @@ def decode(q, cache, indices, implementation, kernel, kwargs):
               lse_base="e")[0]
 
 
-def time_decode_loop(implementation, q, cache, sets, steps=200):
+# Backend name -> (implementation, registered kernel name or None for the op's own choice).
+BACKENDS = {"native": ("native", "sm90_flashinfer_fa3"), "native_bf16": ("native", "sm90_bf16"),
+            "native_fp8": ("native", None), "native_fa3_fp8": ("native", "sm90_flashinfer_fa3"),
+            "xla": ("xla", None)}
+# The backends timed per cache layout (beside FlashInfer from torch).
+LAYOUT_BACKENDS = {"bf16": ("native", "native_bf16", "xla"),
+                   "fp8": ("native_fp8", "native_fa3_fp8", "xla"),
+                   "fp8_ds_mla": ("native_fp8", "xla")}
+
+
+def time_decode_loop(backend, q, cache, sets, kv_dtype, steps=200):
     """Per-iteration seconds of a jitted lax.fori_loop whose body is one T = 1 decode."""
     num_sets = sets.shape[0]
+    implementation, kernel = BACKENDS[backend]
+    kwargs = decode_kwargs(kv_dtype)
 
     def loop(q, cache, sets):
         # The carry takes the whole output: a carry of one element would let XLA slice the pure-JAX
         # kernel down to the heads and columns it needs.
         def body(i, acc):
-            out, _ = jsm.sparse_mla_decode(q, cache.reshape(-1, 64, 576), sets[i % num_sets],
-                                           scale=SCALE, implementation=implementation)
+            out = decode(q, cache.reshape(-1, 64, cache.shape[-1]), sets[i % num_sets],
+                         implementation, kernel, kwargs)
             return acc + out[0].astype(jnp.float32)
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((q.shape[1], 512), jnp.float32))
 
@@ -219,8 +235,8 @@ def plot(rows, path):
 
     panels = sorted({(r["kv_dtype"], r["H"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
-    colors = {"native": "C0", "native_fp8": "C3", "native_fa3_fp8": "C4", "flashinfer_torch": "C1",
-              "xla": "C2"}
+    colors = {"native": "C0", "native_bf16": "C5", "native_fp8": "C3", "native_fa3_fp8": "C4",
+              "flashinfer_torch": "C1", "xla": "C2"}
     for ax, (kv_dtype, heads) in zip(axes[0], panels):
         for backend, color in colors.items():
             pts = sorted((r["T"], r["us"]) for r in rows if r["backend"] == backend
@@ -276,14 +292,16 @@ def main():
             json.dump(result, f, indent=1)
 
     sets = index_sets(1)
-    for h in () if args.no_loop else (16, 128):
-        q = jax.random.normal(jax.random.key(h), (1, h, 576), jnp.bfloat16)
-        for backend in ("native", "xla"):
-            us = time_decode_loop(backend, q, caches["bf16"], sets) * 1e6
-            loops.append(dict(backend=backend, T=1, H=h, K=K, kv_dtype="bf16",
-                              us_per_iteration=round(us, 2),
-                              xla_flags=os.environ.get("XLA_FLAGS", "")))
-            print(f"decode loop T=1 H={h} {backend}: {us:.1f} us/iteration", flush=True)
+    for kv_dtype in () if args.no_loop else args.kv_dtypes:
+        for h in (16, 128):
+            q = jax.random.normal(jax.random.key(h), (1, h, 576), jnp.bfloat16)
+            for backend in LAYOUT_BACKENDS[kv_dtype]:
+                us = time_decode_loop(backend, q, caches[kv_dtype], sets, kv_dtype) * 1e6
+                loops.append(dict(backend=backend, T=1, H=h, K=K, kv_dtype=kv_dtype,
+                                  us_per_iteration=round(us, 2),
+                                  xla_flags=os.environ.get("XLA_FLAGS", "")))
+                print(f"decode loop T=1 H={h} {kv_dtype} {backend}: {us:.1f} us/iteration",
+                      flush=True)
     for kv_dtype in () if args.loop_only else args.kv_dtypes:
         cache = caches[kv_dtype]
         tokens, heads_list = grids[kv_dtype]
@@ -291,12 +309,12 @@ def main():
             sets = index_sets(t)
             for h in heads_list:
                 q = jax.random.normal(jax.random.key(t * h), (t, h, 576), jnp.bfloat16)
-                native = "native" if kv_dtype == "bf16" else "native_fp8"
-                timings = {native: time_jax("native", q, cache, sets, kv_dtype, (8, 40), 5)}
-                if kv_dtype == "fp8":
-                    timings["native_fa3_fp8"] = time_jax("native", q, cache, sets, kv_dtype, (8, 40), 5,
-                                                         kernel="sm90_flashinfer_fa3")
-                timings["xla"] = time_jax("xla", q, cache, sets, kv_dtype, (2, 6), 3)
+                timings = {}
+                for backend in LAYOUT_BACKENDS[kv_dtype]:
+                    implementation, kernel = BACKENDS[backend]
+                    calls, repeats = ((2, 6), 3) if implementation == "xla" else ((8, 40), 5)
+                    timings[backend] = time_jax(implementation, q, cache, sets, kv_dtype, calls,
+                                                repeats, kernel=kernel)
                 if torch_fa3 is not None and kv_dtype != "fp8_ds_mla":
                     try:
                         timings["flashinfer_torch"] = torch_fa3.time(q, cache, sets, kv_dtype)

@@ -8,14 +8,15 @@ Run under Nsight Compute, which times each kernel on its own (no launch gaps, no
         [--calls 3] > kernel_times.csv  # with ncu's --csv
     python benchmarks/kernel_times_sm90.py --summarize kernel_times.csv
 
-For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: `--calls` calls of
-jax.jit(sparse_mla_decode(..., implementation="native")) (bf16 cache: PackAndClamp, then FlashInfer's
-BatchMLAPageAttentionHopperKernel as compiled by this package's build; fp8 / fp8_ds_mla caches: our
-SparseMlaFp8DecodeKernel, or SparseMlaFp8WideDecodeKernel with more than 16 heads, then
-MergeSplitsKernel when the plan splits) and, for bf16 and fp8 caches,
-as many BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled
-by FlashInfer's JIT). The script prints the order; ncu prints the times. `--summarize` reads ncu's
-CSV output and prints the median, min and max time per kernel and grid.
+For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: `--calls` jitted
+calls of each native backend of bench_sm90.py for the cache (bf16: "native", PackAndClamp then
+FlashInfer's BatchMLAPageAttentionHopperKernel as compiled by this package's build, and "native_bf16",
+our SparseMlaFp8WideDecodeKernel over bf16 rows; fp8: "native_fp8", our SparseMlaFp8DecodeKernel, or
+SparseMlaFp8WideDecodeKernel with more than 16 heads, and "native_fa3_fp8"; fp8_ds_mla: "native_fp8";
+our kernels followed by MergeSplitsKernel when the plan splits) and, for bf16 and fp8 caches, as many
+BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled by
+FlashInfer's JIT). The script prints the order; ncu prints the times. `--summarize` reads ncu's CSV
+output and prints the median, min and max time per kernel and grid.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import jax_sparse_mla as jsm  # noqa: E402
 from bench_sm90 import (  # noqa: E402
-    K, ROW_BYTES, SCALE, TorchFa3, decode_kwargs, index_sets, make_inputs)
+    BACKENDS, K, LAYOUT_BACKENDS, ROW_BYTES, TorchFa3, decode, decode_kwargs, index_sets,
+    make_inputs)
 
 NANOSECONDS = {"ns": 1.0, "nsecond": 1.0, "us": 1e3, "usecond": 1e3, "ms": 1e6, "msecond": 1e6}
 
@@ -75,16 +76,19 @@ def main() -> None:
         sets = index_sets(num_tokens)
         q = jax.random.normal(jax.random.key(num_tokens * num_heads), (num_tokens, num_heads, 576),
                               jnp.bfloat16)
-        decode = jax.jit(lambda q, cache, slots: jsm.sparse_mla_decode(
-            q, cache.reshape(-1, 64, cache.shape[-1]), slots, scale=SCALE, implementation="native",
-            **kwargs)[0])
-        for _ in range(args.calls):
-            jax.block_until_ready(decode(q, cache, sets[0]))
+        backends = [b for b in LAYOUT_BACKENDS[args.kv_dtype] if b != "xla"]
+        for backend in backends:
+            implementation, kernel = BACKENDS[backend]
+            call = jax.jit(lambda q, cache, slots: decode(
+                q, cache.reshape(-1, 64, cache.shape[-1]), slots, implementation, kernel, kwargs))
+            for _ in range(args.calls):
+                jax.block_until_ready(call(q, cache, sets[0]))
         if torch_fa3 is not None:
             run_torch = torch_fa3.runner(q, cache, sets[:1], args.kv_dtype, calls=args.calls)
             run_torch()
             torch_fa3.torch.cuda.synchronize()
-        print(f"T={num_tokens} H={num_heads} K={K} {args.kv_dtype}: {args.calls} native calls"
+        print(f"T={num_tokens} H={num_heads} K={K} {args.kv_dtype}: {args.calls} calls of each of "
+              + ", ".join(backends)
               + (f", then {args.calls} torch calls" if torch_fa3 is not None else ""), flush=True)
 
 

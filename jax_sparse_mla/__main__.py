@@ -75,11 +75,11 @@ def _extension_lines() -> list[str]:
 
 
 def _dispatch_lines(label: str, natives: list, reason) -> list[str]:
-    """`label: <kernel>` for the first native kernel (in precedence order) whose reason(kernel) is
-    None, else pure JAX, then one line per native kernel passed over with its reason."""
+    """`label: <kernel>` for the first validated native kernel (in precedence order) whose
+    reason(kernel) is None, else pure JAX, then one line per native kernel passed over with why."""
     chosen, passed_over = "xla (pure JAX)", []
     for kernel in natives:
-        why = reason(kernel)
+        why = registry.UNVALIDATED if not kernel.validated else reason(kernel)
         if why is None:
             chosen = kernel.name
             break
@@ -120,9 +120,7 @@ def _indexer_lines() -> list[str]:
     for op in ops:
         natives = [k for k in reversed(registry.registered_op_kernels(op)) if k.native]
         if natives:
-            lines += _dispatch_lines(op, natives, lambda kernel: (
-                registry.op_rejection_reason(kernel) or (
-                    None if kernel.validated else "not yet validated on its GPU")))
+            lines += _dispatch_lines(op, natives, registry.op_rejection_reason)
         else:
             lines.append(f"  {op}: xla (pure JAX: no native kernel is registered for it)")
     return lines

@@ -36,8 +36,8 @@
 // The raw stages form a kStages-deep ring: the copies of later tiles overlap steps 2-4.
 //
 // With one split the CTA writes out / lse directly; otherwise it writes a normalised fp32 partial
-// and its base-2 lse, and MergeSplits combines the splits. A row with no valid slot ends with
-// l = 0: out 0, lse -inf (never NaN).
+// and its base-2 lse, and MergeSplits (sm90_merge_splits.cu) combines the splits. A row with no
+// valid slot ends with l = 0: out 0, lse -inf (never NaN).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -64,10 +64,12 @@ inline constexpr int kMaxKeysPerSplit = 2048;
 enum class KvLayout : int {
   kE4m3 = 0,   // 576 e4m3 values, one per-tensor scale (applied outside the kernel's dequant)
   kDsMla = 1,  // 512 e4m3 + 4 fp32 scales (one per 128 latent values) + 64 bf16 RoPE = 656 bytes
+  kBf16 = 2,   // 576 bf16 values (1152 bytes): the 64-head kernel only (sm90_fp8_wide_kernel.cuh)
 };
 
 template <KvLayout kLayout>
-inline constexpr int kRowBytes = kLayout == KvLayout::kE4m3 ? 576 : 656;
+inline constexpr int kRowBytes =
+    kLayout == KvLayout::kE4m3 ? 576 : (kLayout == KvLayout::kDsMla ? 656 : 1152);
 
 struct DecodeParams {
   const __nv_bfloat16* q;       // [T, H, 576]
@@ -91,6 +93,7 @@ struct DecodeParams {
 
 template <KvLayout kLayout_>
 struct TileConfig {
+  static_assert(kLayout_ != KvLayout::kBf16, "bf16 rows run on the 64-head kernel only");
   static constexpr int kHeads = 16;  // one 16-row MMA tile
   static constexpr KvLayout kLayout = kLayout_;
   static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
@@ -733,43 +736,6 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
             make_float4(values[0], values[1], values[2], values[3]);
       }
     }
-  }
-}
-
-// Combines the splits of each (token, head): weights 2^(lse_s - max) over the splits that saw a
-// valid slot. One block of 128 threads per row, 4 columns per thread.
-__global__ void __launch_bounds__(128) MergeSplitsKernel(const DecodeParams p) {
-  const int64_t row = blockIdx.x;  // token * num_heads + head
-  const int64_t rows = int64_t{p.num_tokens} * p.num_heads;
-  // The largest lse, NaN if any is (fmaxf would drop it and the row could read as empty).
-  float max_lse = -INFINITY;
-  for (int s = 0; s < p.num_splits; ++s) {
-    const float lse = p.partial_lse[s * rows + row];
-    max_lse = (lse > max_lse || isnan(lse)) ? lse : max_lse;
-  }
-  float4 total = make_float4(0.f, 0.f, 0.f, 0.f);
-  float weight_sum = 0.0f;
-  if (max_lse != -INFINITY) {
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float weight = exp2f(p.partial_lse[s * rows + row] - max_lse);
-      if (weight == 0.0f) continue;  // an empty split: its partial is 0, its lse -inf
-      const float4 part =
-          reinterpret_cast<const float4*>(p.partial_out + (s * rows + row) * kVDim)[threadIdx.x];
-      total.x += weight * part.x;
-      total.y += weight * part.y;
-      total.z += weight * part.z;
-      total.w += weight * part.w;
-      weight_sum += weight;
-    }
-  }
-  const float scale = weight_sum != 0.0f ? p.out_scale / weight_sum : 0.0f;
-  uint2 packed;
-  packed.x = PackBf16(total.x * scale, total.y * scale);
-  packed.y = PackBf16(total.z * scale, total.w * scale);
-  reinterpret_cast<uint2*>(p.out + row * kVDim)[threadIdx.x] = packed;
-  if (threadIdx.x == 0) {
-    const float lse_log2 = weight_sum != 0.0f ? max_lse + log2f(weight_sum) : -INFINITY;
-    p.lse[row] = p.lse_base_e ? lse_log2 * 0.6931471805599453f : lse_log2;
   }
 }
 

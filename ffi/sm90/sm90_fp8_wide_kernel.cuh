@@ -1,6 +1,7 @@
 // Sparse MLA decode over an fp8 cache (per-tensor e4m3 or fp8_ds_mla rows) for SM90 with 64 heads
 // per CTA and warpgroup MMAs, for H > 16 (where the 16-head kernel of sm90_fp8_kernel.cuh would
-// convert every row once per 16 heads and feed mma.sync from registers).
+// convert every row once per 16 heads and feed mma.sync from registers); and over a bf16 cache
+// (kBf16), whose rows need no conversion and are copied straight into the operand layout.
 //
 // One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
 // list:
@@ -11,9 +12,13 @@
 //     invalid slots become zeros and are marked invalid (one bit per row). With two head groups
 //     (H in (64, 128]) the two CTAs of a token form a cluster (kPaired) and each producer converts
 //     half of every tile into both CTAs' buffers (the other CTA's half through distributed shared
-//     memory);
+//     memory). For bf16 rows the producer converts nothing: its threads issue 16-byte cp.async
+//     copies from the rows into the operand layout, zero-filled for invalid slots (a source size
+//     of 0 reads nothing), completing on the buffer's barrier. cp.async cannot write another
+//     CTA's shared memory, so bf16 CTAs are never paired: each head group gathers its own rows
+//     (the second group's reads of a row mostly hit L2);
 //   - warpgroup 0 computes S = Q K^T (e4m3: f16 wgmma with Q as f16 after a power-of-two row scale,
-//     as in the 16-head kernel; fp8_ds_mla: bf16 wgmma with Q as it is), the online softmax (with
+//     as in the 16-head kernel; fp8_ds_mla and bf16: bf16 wgmma with Q as it is), the online softmax (with
 //     no per-key masking when the whole tile is valid), P (f16 or bf16) and O[:, 0:256] += P V with
 //     P from its registers;
 //   - warpgroup 1 computes O[:, 256:512] += P V from the same P, which warpgroup 0 also stores into
@@ -166,31 +171,32 @@ __device__ __forceinline__ void RunMma(uint64_t a, uint64_t b, float (&d)[kRegs]
 
 // Operand types per cache layout: e4m3 rows convert exactly to f16, and Q meets them as f16 after
 // a power-of-two row scale; fp8_ds_mla rows are dequantised to bf16 (value times tile scale,
-// rounded once) next to their bf16 RoPE dims, and Q stays bf16. P takes the operands' type.
+// rounded once) next to their bf16 RoPE dims, bf16 rows are used as they are, and Q stays bf16
+// for both. P takes the operands' type.
 template <KvLayout kLayout>
 struct Operands {
-  static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
+  static constexpr bool kBf16 = kLayout != KvLayout::kE4m3;  // bf16 operands, else f16
   using ScoresMma = std::conditional_t<
-      kDsMla,
+      kBf16,
       cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                     cute::SM90::GMMA::Major::K>,
       cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
                                                   cute::SM90::GMMA::Major::K>>;
   using ValuesMma = std::conditional_t<
-      kDsMla,
+      kBf16,
       cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                      cute::SM90::GMMA::Major::MN>,
       cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
                                                    cute::SM90::GMMA::Major::MN>>;
   // P V with P from registers (warpgroup 0, which computed it).
   using ValuesMmaRs = std::conditional_t<
-      kDsMla,
+      kBf16,
       cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
                                                      cute::SM90::GMMA::Major::MN>,
       cute::SM90::GMMA::MMA_64x256x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
                                                    cute::SM90::GMMA::Major::MN>>;
   __device__ static uint32_t Pack(float low, float high) {
-    return kDsMla ? PackBf16(low, high) : PackF16(low, high);
+    return kBf16 ? PackBf16(low, high) : PackF16(low, high);
   }
 };
 
@@ -351,9 +357,9 @@ __device__ __forceinline__ void ScaledBf16Columns(uint4 bytes, float scale, uint
 // columns and, per warp, the valid flags of its 8 rows.
 inline constexpr uint32_t kPeerTileBytes = kBlockN / 2 * (kOperandBytes / kBlockN) + 4 * 4;
 
-// Warpgroup 2: the CTA's rows of every tile of the split into buffer tile % 2, once all consumers
-// freed it, in rounds of 32 rows with 4 threads per row. Alone (kPaired false) a CTA's producer
-// converts all 64 rows of a tile in two rounds; paired, each CTA's producer converts half of them
+// Warpgroup 2 for fp8 rows: the CTA's rows of every tile of the split into buffer tile % 2, once
+// all consumers freed it, in rounds of 32 rows with 4 threads per row. Alone (kPaired false) a
+// CTA's producer converts all 64 rows of a tile in two rounds; paired, each converts half of them
 // (rows 32 rank + [0, 32), one round per tile) into both CTAs' buffers, so each row is gathered
 // and converted once per token for 128 heads. Lane l of warp w takes row 8 w + l % 8 of the round
 // and the chunks of part l / 8 (RowChunks): a warp reads 64 contiguous bytes per row, and each
@@ -459,6 +465,59 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
   }
 }
 
+// Arrivals on a buffer's `ready` per tile: one per producer thread (converted rows: a plain
+// arrival after its stores; bf16 rows: ArriveOnCopies, once its copies have landed) and, for bf16
+// rows, one per producer warp after it wrote its valid-row words (the copies' arrivals order
+// nothing of the threads' own stores).
+template <KvLayout kLayout>
+inline constexpr int kReadyArrivals = kLayout == KvLayout::kBf16 ? 128 + 4 : 128;
+
+// Warpgroup 2 for bf16 rows: every row of every tile of the split into buffer tile % 2, once all
+// consumers freed it, as 16-byte cp.async copies (72 per row) straight into the operand layout,
+// zero-filled for invalid slots. Lane l of warp w copies rows 8 w + l % 8 and 32 more, columns
+// 4 k + l / 8 (k < 18): a warp reads 64 contiguous bytes of each of its 8 rows per instruction,
+// and each quarter warp writes 8 rows' 16 bytes of one column, 128 contiguous bytes. The slots of
+// tile t + 1 are read before the wait for tile t's buffer.
+__device__ __forceinline__ void CopyTiles(Shared& smem, const DecodeParams& p, int token,
+                                          int key_begin, int key_end, int num_tiles, int thread) {
+  constexpr int kRows = 2;  // per thread and tile
+  constexpr int kColumns = kQkDim / 8 / 4;  // per thread and row
+  constexpr int kBf16RowBytes = kRowBytes<KvLayout::kBf16>;
+  const int lane = thread % 32, part = lane / 8;
+  const int first_row = 8 * (thread / 32) + lane % 8;
+  const int32_t* token_indices = p.indices + int64_t{token} * p.num_keys;
+  const auto slot_of = [&](int tile, int r) {
+    const int position = key_begin + tile * kBlockN + first_row + 32 * r;
+    return position < key_end ? token_indices[position] : -1;
+  };
+  int32_t slots[kRows] = {slot_of(0, 0), slot_of(0, 1)};
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int buffer = tile % kBuffers;
+    const int32_t next_slots[kRows] = {slot_of(tile + 1, 0), slot_of(tile + 1, 1)};
+    if (tile >= kBuffers) WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
+    uint8_t* keys = smem.keys[buffer];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int row = first_row + 32 * r;
+      const bool valid = slots[r] >= 0 && slots[r] < p.num_slots;
+      const uint8_t* source = p.kv + (valid ? int64_t{slots[r]} * kBf16RowBytes : 0);
+#pragma unroll
+      for (int k = 0; k < kColumns; ++k) {
+        const int column = 4 * k + part;
+        sm90::CopyAsync16(keys + column * kColumnBytes + row * 16, source + column * 16, valid);
+      }
+      // The warp's 8 rows of this half (lanes 0-7) are word row / 8 of valid_rows.
+      const uint32_t flags = __ballot_sync(0xffffffffu, valid) & 0xffu;
+      if (lane == 0) smem.valid_rows[buffer][row / 8] = flags;
+    }
+    sm90::ArriveOnCopies(smem.ready + buffer);
+    if (lane == 0) ArriveBarrier(smem.ready + buffer);  // releases the valid-row words
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) slots[r] = next_slots[r];
+  }
+  sm90::WaitAllCopies();  // no thread leaves with copies in flight
+}
+
 // The epilogue of one consumer warpgroup: its 256 columns, element i of `out` at column
 // 256 warpgroup + 8 (i / 4) + 2 (l % 4) + i % 2 of rows row0 (i % 4 < 2) and row1. With one split
 // `staging` (64 rows of 1040 bytes, no longer read by any MMA) takes the bf16 rows first.
@@ -522,9 +581,11 @@ __device__ __forceinline__ void WriteOutput(const float (&out)[128], const Decod
 }
 
 // kPaired: launched in clusters of 2 CTAs along x (the two head groups of a token, H in (64, 128]),
-// whose producers share the conversion of each tile.
+// whose producers share the conversion of each tile (fp8 rows only).
 template <KvLayout kLayout, bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(const DecodeParams p) {
+  constexpr bool kCopied = kLayout == KvLayout::kBf16;  // rows by cp.async (CopyTiles)
+  static_assert(!(kCopied && kPaired), "cp.async cannot fill the peer CTA's buffers");
   using ScoresMma = typename Operands<kLayout>::ScoresMma;
   using ValuesMma = typename Operands<kLayout>::ValuesMma;
   using ValuesMmaRs = typename Operands<kLayout>::ValuesMmaRs;
@@ -542,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   const int num_tiles = key_end > key_begin ? (key_end - key_begin + kBlockN - 1) / kBlockN : 0;
 
   if (threadIdx.x < kBuffers) {
-    InitBarrier(smem.ready + threadIdx.x, 128);
+    InitBarrier(smem.ready + threadIdx.x, kReadyArrivals<kLayout>);
     InitBarrier(smem.peer_ready + threadIdx.x, 1);
     InitBarrier(smem.freed + threadIdx.x, kPaired ? 4 : 2);
   }
@@ -554,16 +615,23 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
 
   if (warpgroup == 2) {
     SetRegisters<kProducerRegisters>();
-    ProduceTiles<kLayout, kPaired>(smem, p, token, key_begin, key_end, num_tiles, thread);
+    if constexpr (kCopied) {
+      CopyTiles(smem, p, token, key_begin, key_end, num_tiles, thread);
+    } else {
+      ProduceTiles<kLayout, kPaired>(smem, p, token, key_begin, key_end, num_tiles, thread);
+    }
     return;
   }
   // Waits until buffer `tile % 2` holds the tile (with kPaired, the peer's rows too). The waits are
   // CTA-scoped also where the other CTA completes the phase (its st.async bytes, its arrivals on
   // `freed`), as in CUTLASS's cluster pipelines: the barrier and the data are this CTA's.
+  // Copied rows were written by cp.async (the generic proxy) with no thread left to fence them for
+  // wgmma's reads (the async proxy): each consumer fences once the tile is visible to it.
   const auto wait_for_tile = [&](int tile) {
     const int buffer = tile % kBuffers;
     WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
     if constexpr (kPaired) WaitBarrier(smem.peer_ready + buffer, (tile / kBuffers) % 2);
+    if constexpr (kCopied) FenceProxyAsync();
   };
   // One warpgroup's arrival on the buffer's `freed` (with kPaired, on both CTAs').
   const auto free_buffer = [&](int buffer) {

@@ -71,6 +71,8 @@ class SparseMLAKernel:
     available:       whether it can run in this process (extension built and loaded).
     check:           optional check(problem, (major, minor)) -> None, or the reason the kernel cannot
                      run this problem on this device (shape limits, dtype pairing, built targets).
+    validated:       False for a native kernel that has not yet passed its GPU tests on the hardware
+                     it targets: implementation="native" runs it, "auto" passes it over (and says so).
     """
 
     name: str
@@ -81,6 +83,7 @@ class SparseMLAKernel:
     fn: Callable
     available: Callable[[], bool] = lambda: True
     check: Callable[[Problem, tuple[int, int]], str | None] | None = None
+    validated: bool = True
 
 
 _KERNELS: list[SparseMLAKernel] = []
@@ -160,6 +163,8 @@ def _build_reason(available: Callable[[], bool], check: Callable | None, problem
 
 
 _Kernel = TypeVar("_Kernel")
+# Why "auto" passes over a kernel registered with validated=False.
+UNVALIDATED = "not yet validated on its GPU (implementation='native' runs it)"
 
 
 def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_Kernel], str | None],
@@ -168,8 +173,9 @@ def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_
 
     kernels: the candidates in registration order, exactly one of them pure JAX (native=False); later
     native kernels win. reason(kernel) is None when a native kernel can run this call, else why not.
-    "xla" returns the pure-JAX kernel, "auto" the last native kernel that fits or else the pure-JAX one,
-    "native" the last native kernel that fits or a ValueError listing every candidate's reason.
+    "xla" returns the pure-JAX kernel, "auto" the last validated native kernel that fits or else the
+    pure-JAX one, "native" the last native kernel that fits (validated or not) or a ValueError listing
+    every candidate's reason.
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
@@ -180,7 +186,7 @@ def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_
     for kernel in reversed(kernels):
         if not kernel.native:
             continue
-        why = reason(kernel)
+        why = UNVALIDATED if implementation == "auto" and not kernel.validated else reason(kernel)
         if why is None:
             return kernel
         reasons.append(f"{kernel.name}: {why}")
@@ -257,8 +263,7 @@ class OpKernel:
     name:             short name shown in errors ("xla", "sm90_deepgemm", ...).
     native, capability_majors, available: as in SparseMLAKernel.
     check:            optional check(problem: IndexerProblem, (major, minor)) -> None or the reason.
-    validated:        False for a native kernel that has not yet passed its GPU tests on the hardware
-                      it targets: implementation="native" runs it, "auto" passes it over (and says so).
+    validated:        as in SparseMLAKernel.
     """
 
     op: str
@@ -306,9 +311,5 @@ def select_op_kernel(op: str, implementation: str = "auto",
     if op not in _OP_KERNELS:
         raise KeyError(f"no kernel is registered for the op {op!r}.")
 
-    def reason(kernel: OpKernel) -> str | None:
-        if implementation == "auto" and not kernel.validated:
-            return "not yet validated on its GPU (implementation='native' runs it)"
-        return op_rejection_reason(kernel, problem)
-
-    return _choose(_OP_KERNELS[op], implementation, reason, f" for {op}")
+    return _choose(_OP_KERNELS[op], implementation,
+                   lambda kernel: op_rejection_reason(kernel, problem), f" for {op}")

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import native, registry, sm120, sm90_fp8
+from jax_sparse_mla.kernels import native, registry, sm120, sm90_bf16, sm90_fp8
 from jax_sparse_mla.kernels import sm100_trtllm_gen as trtllm_gen
 from jax_sparse_mla.kernels.registry import Problem
 from requirements import require_native
@@ -28,6 +28,7 @@ FAMILY_TARGETS = {
         "jax_sparse_mla_sm90_decode_bf16",
         "jax_sparse_mla_sm90_decode_fp8",
         "jax_sparse_mla_sm90_fp8_decode",
+        "jax_sparse_mla_sm90_bf16_decode",
         "jax_sparse_mla_sm90_paged_mqa_logits",
         "jax_sparse_mla_sm90_mqa_logits",
         "jax_sparse_mla_sm90_paged_mqa_logits_wgmma",
@@ -162,6 +163,43 @@ def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys):
     # Splits only to fill idle SMs, or because a split holds at most 2048 keys.
     ctas = num_tokens * -(-num_heads // p.heads_per_cta)
     assert p.num_splits <= max(1, -(-num_keys // 2048), 132 // ctas)
+
+
+@pytest.mark.parametrize("num_tokens,num_heads", [(1, 1), (1, 16), (128, 16), (7, 128), (3, 192)])
+def test_sm90_bf16_plan_is_64_heads_per_cta(num_tokens, num_heads):
+    p = sm90_fp8.plan(num_tokens, num_heads, 2048, 132, wide_only=True)
+    assert p.heads_per_cta == 64 and p.num_splits * p.keys_per_split >= 2048
+    assert p == sm90_fp8.plan(num_tokens, max(num_heads, 17), 2048, 132)  # the fp8 64-head plan
+
+
+def test_sm90_bf16_is_native_only_until_validated(fake_gpu):
+    """Our bf16 kernel is registered but not validated: "native" runs it, "auto" FlashInfer's."""
+    ours = next(k for k in registry.registered_kernels() if k.name == "sm90_bf16")
+    assert ours.native and not ours.validated and ours.kv_layouts == ("bfloat16",)
+    fake_gpu((9, 0))
+    p = problem(kv_layout="bfloat16", q_dtype="bfloat16")
+    assert registry.select_kernel("bfloat16", "bfloat16", "native", p).name == "sm90_bf16"
+    assert registry.select_kernel("bfloat16", "bfloat16", "auto", p).name == "sm90_flashinfer_fa3"
+    for layout in ("fp8_e4m3", "fp8_ds_mla"):
+        assert registry.select_kernel(layout, "bfloat16", "native").name == "sm90_fp8"
+
+
+def test_sm90_bf16_lowers_to_its_call(fake_gpu, monkeypatch):
+    """T = 1 at 16 heads: one 64-head CTA per split; K = 2048 splits into 16 ranges of 128 slots
+    (two tiles each) on 132 SMs, whose partials are scratch results of the call."""
+    fake_gpu((9, 0))
+    monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
+    q = jax.ShapeDtypeStruct((1, 16, 576), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((32, 64, 576), jnp.bfloat16)
+    indices = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
+    text = jax.jit(lambda q, c, i: jsm.sparse_mla_decode(q, c, i, scale=0.125, lse_base="2",
+                                                          implementation="native")
+                   ).lower(q, cache, indices).as_text()
+    assert f"@{sm90_bf16.TARGET}(" in text and "tensor<2048x576xbf16>" in text
+    for attribute in ("heads_per_cta = 64", "num_splits = 16", "keys_per_split = 128",
+                      "lse_base_e = false", "score_scale_log2 = 0.180336"):
+        assert attribute in text, attribute
+    assert "tensor<16x1x16x512xf32>" in text  # split partials
 
 
 def test_auto_falls_back_and_native_explains(fake_gpu):

@@ -1,0 +1,54 @@
+"""The SM90 (H100 / H200) bf16 kernel of our own: sparse MLA decode over bf16 caches without a pack
+kernel.
+
+FlashInfer's Hopper kernel (`sm90.py`) needs every token's slots packed to the front first (a kernel
+of its own per call) and runs S and the softmax on one warpgroup. This binding runs the 64-head
+warpgroup-MMA kernel of our fp8 path (`ffi/sm90/sm90_fp8_wide_kernel.cuh`) over bf16 rows: its
+producer warpgroup copies each tile's 64 rows with 16-byte `cp.async` straight into the wgmma
+operand layout (an invalid slot, by the op's index rule, becomes a zero row and a cleared valid bit;
+nothing is read for it), one consumer warpgroup computes S, the softmax and half of P V, the other
+the other half. Every head count runs on it, in groups of 64 heads (a 16-head call computes 64 rows,
+48 of them zero); the plan and the split merge are the fp8 path's (`sm90_fp8.plan`).
+
+Registered with validated=False until its GPU tests have passed on an H100/H200:
+implementation="native" runs it for bf16 caches, "auto" keeps FlashInfer's kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import native, registry, sm90_fp8
+
+TARGET = "jax_sparse_mla_sm90_bf16_decode"
+LAYOUT = 2  # KvLayout::kBf16 of ffi/sm90/sm90_fp8_kernel.cuh
+
+
+def _sm90_bf16_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
+    """Kernel contract in kernels/registry.py; q bf16 [T, H, 576], cache bf16 [.., .., 576]
+    (bmm2_scale is 1.0 for a bf16 cache)."""
+    num_tokens, num_heads, _ = q.shape
+    if num_tokens == 0:
+        return sm90_fp8.empty_result(num_heads)
+    p = sm90_fp8.plan(num_tokens, num_heads, indices.shape[1], registry.device_sm_count(),
+                      wide_only=True)
+    return sm90_fp8.call_decode(
+        TARGET, q, kv_cache.reshape(-1, kv_cache.shape[-1]), indices, valid_counts, p,
+        lse_base=lse_base, layout=np.int64(LAYOUT),
+        score_scale_log2=np.float32(bmm1_scale * math.log2(math.e)), out_scale=np.float32(1.0),
+    )
+
+
+registry.register_kernel(registry.SparseMLAKernel(
+    name="sm90_bf16",
+    native=True,
+    capability_majors=(9,),
+    kv_layouts=("bfloat16",),
+    q_dtypes=("bfloat16",),
+    fn=_sm90_bf16_kernel,
+    available=lambda: native.has_target(TARGET),
+    validated=False,
+))
