@@ -97,7 +97,7 @@ def _attention_lines() -> list[str]:
         problem = registry.Problem(**_EXAMPLE_PROBLEM, kv_layout=layout, q_dtype="bfloat16")
         lines += _dispatch_lines(
             f"sparse_mla_decode, {label} cache", natives,
-            lambda kernel: registry.rejection_reason(kernel, layout, "bfloat16", problem))
+            lambda kernel: registry.auto_rejection_reason(kernel, layout, "bfloat16", problem))
     return lines
 
 

@@ -73,6 +73,9 @@ class SparseMLAKernel:
                      run this problem on this device (shape limits, dtype pairing, built targets).
     validated:       False for a native kernel that has not yet passed its GPU tests on the hardware
                      it targets: implementation="native" runs it, "auto" passes it over (and says so).
+    slower_than_pure_jax: optional slower_than_pure_jax(problem) -> None, or the measurement by which
+                     this kernel lost to the pure-JAX kernel on problems of this shape class on its
+                     GPU: "auto" then passes it over, "native" still runs it.
     """
 
     name: str
@@ -84,6 +87,7 @@ class SparseMLAKernel:
     available: Callable[[], bool] = lambda: True
     check: Callable[[Problem, tuple[int, int]], str | None] | None = None
     validated: bool = True
+    slower_than_pure_jax: Callable[[Problem], str | None] | None = None
 
 
 _KERNELS: list[SparseMLAKernel] = []
@@ -211,16 +215,28 @@ def rejection_reason(kernel: SparseMLAKernel, kv_layout: str, q_dtype_name: str,
     return _build_reason(kernel.available, kernel.check, problem, capability)
 
 
+def auto_rejection_reason(kernel: SparseMLAKernel, kv_layout: str, q_dtype_name: str,
+                          problem: Problem | None = None) -> str | None:
+    """Why implementation="auto" does not run the validated native `kernel` for this call: it cannot
+    (rejection_reason), or it measured slower than pure JAX on problems like this one."""
+    why = rejection_reason(kernel, kv_layout, q_dtype_name, problem)
+    if why is None and problem is not None and kernel.slower_than_pure_jax is not None:
+        why = kernel.slower_than_pure_jax(problem)
+    return why
+
+
 def select_kernel(kv_layout: str, q_dtype_name: str, implementation: str = "auto",
                   problem: Problem | None = None) -> SparseMLAKernel:
     """Picks the kernel for this device, cache layout and query dtype.
 
-    implementation: "auto" (a native kernel when one fits, else pure JAX), "xla" (always pure JAX) or
-    "native" (a native kernel, or a clear error saying why none fits).
+    implementation: "auto" (a validated native kernel when one fits and has not measured slower than
+    pure JAX for this shape, else pure JAX), "xla" (always pure JAX) or "native" (a native kernel,
+    or a clear error saying why none fits).
     problem: the call's static shapes, checked by kernels that have limits (None skips the checks).
     """
+    reason = auto_rejection_reason if implementation == "auto" else rejection_reason
     return _choose(_KERNELS, implementation,
-                   lambda kernel: rejection_reason(kernel, kv_layout, q_dtype_name, problem))
+                   lambda kernel: reason(kernel, kv_layout, q_dtype_name, problem))
 
 
 # --- the indexer ops ------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ slots, with page_size = 1. The handler in `ffi/sm90/sm90_decode.cuh` runs it on 
 
 The kernel contract (arguments, scales, empty rows) is in `kernels/registry.py`. For fp8 caches the SM90 fp8
 kernel (`sm90_fp8.py`, registered later) takes precedence; FlashInfer's fp8 instantiation stays
-registered as "sm90_flashinfer_fa3" for the benchmark's side-by-side comparison.
+registered as "sm90_flashinfer_fa3" for the benchmark's side-by-side comparison. With one token over
+a bf16 cache "auto" runs pure JAX, which measured faster there (`slower_than_pure_jax`).
 """
 
 from __future__ import annotations
@@ -121,6 +122,16 @@ def _sm90_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, 
     return out, lse
 
 
+def slower_than_pure_jax(problem: registry.Problem) -> str | None:
+    """One token over a bf16 cache: in a jitted loop of 200 single-token decodes on the H200, pure JAX
+    took 16.02 / 21.91 us per step at 16 / 128 heads where this kernel (pack kernel + FlashInfer's
+    cooperative kernel, about 21 us on its own) took 27.66 / 25.63 (docs/benchmarks.md, run bf16)."""
+    if problem.kv_layout == "bfloat16" and problem.num_tokens == 1:
+        return ("pure JAX measured faster with one token over a bf16 cache (H200 decode loop: "
+                "16.0 / 21.9 against 27.7 / 25.6 us per step at 16 / 128 heads)")
+    return None
+
+
 registry.register_kernel(registry.SparseMLAKernel(
     name="sm90_flashinfer_fa3",
     native=True,
@@ -129,4 +140,5 @@ registry.register_kernel(registry.SparseMLAKernel(
     q_dtypes=("bfloat16", "float8_e4m3fn"),
     fn=_sm90_kernel,
     available=lambda: all(native.has_target(t) for t in _TARGETS.values()),
+    slower_than_pure_jax=slower_than_pure_jax,
 ))

@@ -104,8 +104,9 @@ def sparse_mla_decode(
       k_scale: per-tensor scale of an fp8 / fp8_e4m3 cache (must be 1.0 otherwise; fp8_ds_mla rows
         carry their own tile scales).
       lse_base: "e" (natural log) or "2".
-      implementation: "auto" (the native kernel for this GPU when there is one, else pure JAX),
-        "xla" (pure JAX) or "native" (error if no native kernel fits).
+      implementation: "auto" (the validated native kernel for this GPU when there is one, unless it
+        measured slower than pure JAX at this shape; else pure JAX), "xla" (pure JAX) or "native"
+        (a native kernel, validated or not; error if none fits).
 
     Returns:
       out: [T, H, 512] (or [B, q_len, H, 512]), bf16 (f16 for an f16 query).

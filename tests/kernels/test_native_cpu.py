@@ -184,6 +184,24 @@ def test_sm90_bf16_is_native_only_until_validated(fake_gpu):
         assert registry.select_kernel(layout, "bfloat16", "native").name == "sm90_fp8"
 
 
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_auto_runs_pure_jax_where_flashinfer_measured_slower(fake_gpu, num_heads):
+    """One token over a bf16 cache: FlashInfer's kernel lost to pure JAX in the H200 decode loop, so
+    "auto" passes it over (saying so); "native" still runs a native kernel, and other shapes and
+    caches keep theirs."""
+    fake_gpu((9, 0))
+    one = problem(num_tokens=1, num_heads=num_heads)
+    assert registry.select_kernel("bfloat16", "bfloat16", "auto", one).name == "xla"
+    fa3 = next(k for k in registry.registered_kernels() if k.name == "sm90_flashinfer_fa3")
+    assert "pure JAX measured faster" in registry.auto_rejection_reason(fa3, "bfloat16", "bfloat16", one)
+    assert registry.rejection_reason(fa3, "bfloat16", "bfloat16", one) is None
+    assert registry.select_kernel("bfloat16", "bfloat16", "native", one).name == "sm90_bf16"
+    two = problem(num_tokens=2, num_heads=num_heads)
+    assert registry.select_kernel("bfloat16", "bfloat16", "auto", two).name == "sm90_flashinfer_fa3"
+    fp8 = problem(num_tokens=1, num_heads=num_heads, kv_layout="fp8_e4m3")
+    assert registry.select_kernel("fp8_e4m3", "bfloat16", "auto", fp8).name == "sm90_fp8"
+
+
 def test_sm90_bf16_lowers_to_its_call(fake_gpu, monkeypatch):
     """T = 1 at 16 heads: one 64-head CTA per split; K = 2048 splits into 16 ranges of 128 slots
     (two tiles each) on 132 SMs, whose partials are scratch results of the call."""
