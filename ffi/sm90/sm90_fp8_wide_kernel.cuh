@@ -15,8 +15,7 @@
 //     memory). For bf16 rows the producer converts nothing: its threads issue 16-byte cp.async
 //     copies from the rows into the operand layout, zero-filled for invalid slots (a source size
 //     of 0 reads nothing), completing on the buffer's barrier. cp.async cannot write another
-//     CTA's shared memory, so bf16 CTAs are never paired: each head group gathers its own rows
-//     (the second group's reads of a row mostly hit L2);
+//     CTA's shared memory, so bf16 CTAs are never paired: each head group gathers its own rows;
 //   - warpgroup 0 computes S = Q K^T (e4m3: f16 wgmma with Q as f16 after a power-of-two row scale,
 //     as in the 16-head kernel; fp8_ds_mla and bf16: bf16 wgmma with Q as it is), the online softmax (with
 //     no per-key masking when the whole tile is valid), P (f16 or bf16) and O[:, 0:256] += P V with
