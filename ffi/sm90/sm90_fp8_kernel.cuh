@@ -64,7 +64,7 @@ inline constexpr int kMaxKeysPerSplit = 2048;
 enum class KvLayout : int {
   kE4m3 = 0,   // 576 e4m3 values, one per-tensor scale (applied outside the kernel's dequant)
   kDsMla = 1,  // 512 e4m3 + 4 fp32 scales (one per 128 latent values) + 64 bf16 RoPE = 656 bytes
-  kBf16 = 2,   // 576 bf16 values (1152 bytes): the 64-head kernel only (sm90_fp8_wide_kernel.cuh)
+  kBf16 = 2,   // 576 bf16 values (1152 bytes): the bf16 kernel (sm90_bf16_kernel.cuh)
 };
 
 template <KvLayout kLayout>
@@ -91,9 +91,22 @@ struct DecodeParams {
   bool lse_base_e;
 };
 
+// The slots of the CTA's split: positions [key_begin, key_end) of its token's list (the split's
+// range, cut at the token's valid count), num_tiles tiles of kBlockN.
+struct SplitRange {
+  int key_begin, key_end, num_tiles;
+};
+__device__ __forceinline__ SplitRange SplitOf(const DecodeParams& p, int token, int split) {
+  const int valid_count = min(max(p.valid_counts[token], 0), p.num_keys);
+  const int key_begin = split * p.keys_per_split;
+  const int key_end = min(key_begin + p.keys_per_split, valid_count);
+  return {key_begin, key_end,
+          key_end > key_begin ? (key_end - key_begin + kBlockN - 1) / kBlockN : 0};
+}
+
 template <KvLayout kLayout_>
 struct TileConfig {
-  static_assert(kLayout_ != KvLayout::kBf16, "bf16 rows run on the 64-head kernel only");
+  static_assert(kLayout_ != KvLayout::kBf16, "bf16 rows run on sm90_bf16_kernel.cuh");
   static constexpr int kHeads = 16;  // one 16-row MMA tile
   static constexpr KvLayout kLayout = kLayout_;
   static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
@@ -404,10 +417,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8DecodeKernel(const De
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int quad = lane / 4, quad_lane = lane % 4;
 
-  const int valid_count = min(max(p.valid_counts[token], 0), p.num_keys);
-  const int key_begin = split * p.keys_per_split;
-  const int key_end = min(key_begin + p.keys_per_split, valid_count);
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + kBlockN - 1) / kBlockN : 0;
+  const SplitRange range = SplitOf(p, token, split);
+  const int key_begin = range.key_begin, key_end = range.key_end, num_tiles = range.num_tiles;
 
   // The split's slots, with every entry the op must not read as -1.
   const int32_t* token_indices = p.indices + int64_t{token} * p.num_keys;

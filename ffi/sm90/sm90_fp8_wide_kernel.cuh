@@ -1,7 +1,7 @@
 // Sparse MLA decode over an fp8 cache (per-tensor e4m3 or fp8_ds_mla rows) for SM90 with 64 heads
 // per CTA and warpgroup MMAs, for H > 16 (where the 16-head kernel of sm90_fp8_kernel.cuh would
-// convert every row once per 16 heads and feed mma.sync from registers); and over a bf16 cache
-// (kBf16), whose rows need no conversion and are copied straight into the operand layout.
+// convert every row once per 16 heads and feed mma.sync from registers). The bf16 kernel
+// (sm90_bf16_kernel.cuh) shares its operand layout, Q load, P V steps and epilogue.
 //
 // One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
 // list:
@@ -12,12 +12,9 @@
 //     invalid slots become zeros and are marked invalid (one bit per row). With two head groups
 //     (H in (64, 128]) the two CTAs of a token form a cluster (kPaired) and each producer converts
 //     half of every tile into both CTAs' buffers (the other CTA's half through distributed shared
-//     memory). For bf16 rows the producer converts nothing: its threads issue 16-byte cp.async
-//     copies from the rows into the operand layout, zero-filled for invalid slots (a source size
-//     of 0 reads nothing), completing on the buffer's barrier. cp.async cannot write another
-//     CTA's shared memory, so bf16 CTAs are never paired: each head group gathers its own rows;
+//     memory);
 //   - warpgroup 0 computes S = Q K^T (e4m3: f16 wgmma with Q as f16 after a power-of-two row scale,
-//     as in the 16-head kernel; fp8_ds_mla and bf16: bf16 wgmma with Q as it is), the online softmax (with
+//     as in the 16-head kernel; fp8_ds_mla: bf16 wgmma with Q as it is), the online softmax (with
 //     no per-key masking when the whole tile is valid), P (f16 or bf16) and O[:, 0:256] += P V with
 //     P from its registers;
 //   - warpgroup 1 computes O[:, 256:512] += P V from the same P, which warpgroup 0 also stores into
@@ -170,8 +167,8 @@ __device__ __forceinline__ void RunMma(uint64_t a, uint64_t b, float (&d)[kRegs]
 
 // Operand types per cache layout: e4m3 rows convert exactly to f16, and Q meets them as f16 after
 // a power-of-two row scale; fp8_ds_mla rows are dequantised to bf16 (value times tile scale,
-// rounded once) next to their bf16 RoPE dims, bf16 rows are used as they are, and Q stays bf16
-// for both. P takes the operands' type.
+// rounded once) next to their bf16 RoPE dims, bf16 rows (sm90_bf16_kernel.cuh) are used as they
+// are, and Q stays bf16 for both. P takes the operands' type.
 template <KvLayout kLayout>
 struct Operands {
   static constexpr bool kBf16 = kLayout != KvLayout::kE4m3;  // bf16 operands, else f16
@@ -213,17 +210,14 @@ __device__ __forceinline__ void RunMmaFromRegisters(const uint32_t* a, uint64_t 
   Op::fma(a[0], a[1], a[2], a[3], b, d[kI]..., cute::SM90::GMMA::ScaleOut::One);
 }
 
-// out = out * rescale + P V over one tile for one warpgroup's 256 value dims (`values_operand`),
-// waiting for the MMAs; rescale0 applies to the thread's rows row0 (i % 4 < 2), rescale1 to row1.
-// P comes from shared memory (`probs` a descriptor, ValuesMma) or from the registers of the
-// warpgroup that computed it (`probs` 16 registers: k-step s takes probs[4 s + 0..3], the layout
-// of the S accumulators; ValuesMmaRs). `while_running` runs between issuing the MMAs and waiting.
-template <typename ValuesMma, typename Probs, typename WhileRunning>
-__device__ __forceinline__ void AccumulateValues(float (&out)[128], float rescale0, float rescale1,
-                                                 Probs& probs, uint64_t values_operand,
-                                                 WhileRunning&& while_running) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) out[i] *= (i / 2) % 2 == 0 ? rescale0 : rescale1;
+// O += P V over one tile for one warpgroup's 256 value dims (`values_operand`), issued and
+// committed, not waited for. P comes from shared memory (`probs` a descriptor, ValuesMma) or from
+// the registers of the warpgroup that computed it (`probs` 16 registers: k-step s takes
+// probs[4 s + 0..3], the layout of the S accumulators; ValuesMmaRs), which must then stay
+// unchanged until the MMAs complete (FinishValues).
+template <typename ValuesMma, typename Probs>
+__device__ __forceinline__ void IssueValues(float (&out)[128], Probs& probs,
+                                            uint64_t values_operand) {
   FenceAccumulators(out);
   constexpr bool kFromRegisters = !std::is_same_v<Probs, const uint64_t>;
   if constexpr (kFromRegisters) {
@@ -242,12 +236,47 @@ __device__ __forceinline__ void AccumulateValues(float (&out)[128], float rescal
     }
   }
   cute::warpgroup_commit_batch();
-  while_running();
-  cute::warpgroup_wait<0>();
+}
+
+// After the MMAs IssueValues issued have completed (a warpgroup_wait): their registers are free.
+template <typename Probs>
+__device__ __forceinline__ void FinishValues(float (&out)[128], Probs& probs) {
   FenceAccumulators(out);
-  if constexpr (kFromRegisters) {  // the MMAs read those registers until they complete
+  if constexpr (!std::is_same_v<Probs, const uint64_t>) {
 #pragma unroll
     for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(probs[i]);
+  }
+}
+
+// out *= rescale0 on the thread's rows row0 (i % 4 < 2), rescale1 on row1.
+__device__ __forceinline__ void RescaleRows(float (&out)[128], float rescale0, float rescale1) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) out[i] *= (i / 2) % 2 == 0 ? rescale0 : rescale1;
+}
+
+// out = out * rescale + P V over one tile (IssueValues), waiting for the MMAs; `while_running`
+// runs between issuing the MMAs and waiting.
+template <typename ValuesMma, typename Probs, typename WhileRunning>
+__device__ __forceinline__ void AccumulateValues(float (&out)[128], float rescale0, float rescale1,
+                                                 Probs& probs, uint64_t values_operand,
+                                                 WhileRunning&& while_running) {
+  RescaleRows(out, rescale0, rescale1);
+  IssueValues<ValuesMma>(out, probs, values_operand);
+  while_running();
+  cute::warpgroup_wait<0>();
+  FinishValues(out, probs);
+}
+
+// P of a tile (16 registers of pairs in the S accumulators' layout) as the K-major A operand of
+// P V at `operand` ([64 heads x 64 keys], 8 columns of kColumnBytes).
+__device__ __forceinline__ void StoreProbs(uint8_t* operand, const uint32_t (&probs)[16], int row0,
+                                           int row1, int column_in_block) {
+#pragma unroll
+  for (int i = 0; i < 32; i += 2) {
+    const int key = 8 * (i / 4) + column_in_block;
+    const int row = (i / 2) % 2 == 0 ? row0 : row1;
+    *reinterpret_cast<uint32_t*>(operand + key / 8 * kColumnBytes + row * 16 + (key % 8) * 2) =
+        probs[i / 2];
   }
 }
 
@@ -257,12 +286,12 @@ __device__ __forceinline__ int AccumulatorRow(int thread, int i) {
   return 16 * (thread / 32) + (thread % 32) / 4 + 8 * ((i / 2) % 2);
 }
 
-// The CTA's Q rows as wgmma operands: for e4m3 rows as f16, each scaled by the power of two that
-// puts its largest |q| in [2^14, 2^15) (as ScaleQueryRows does), with 1 / that scale per row into
-// `query_unscale`; for fp8_ds_mla rows as they are (bf16, unscale 1). Rows past num_heads are zero.
-// Run by the 256 consumer threads; returns once all of them have written Q.
+// The CTA's Q rows as the wgmma operand at `query` (kOperandBytes): for e4m3 rows as f16, each
+// scaled by the power of two that puts its largest |q| in [2^14, 2^15) (as ScaleQueryRows does),
+// with 1 / that scale per row into `query_unscale`; for bf16 operands as they are (unscale 1). Rows
+// past num_heads are zero. Run by the 256 consumer threads; returns once all of them have written Q.
 template <KvLayout kLayout>
-__device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, int token,
+__device__ __forceinline__ void LoadQuery(uint8_t* query, const DecodeParams& p, int token,
                                           int head_begin, int thread, float* query_unscale) {
   constexpr bool kScaled = kLayout == KvLayout::kE4m3;
   constexpr int kColumns = kQkDim / 8 / 4;  // 16-byte columns per thread
@@ -307,7 +336,7 @@ __device__ __forceinline__ void LoadQuery(Shared& smem, const DecodeParams& p, i
         out[i] = PackF16(values.x * scale, values.y * scale);
       }
     }
-    *reinterpret_cast<uint4*>(smem.q + (4 * k + part) * kColumnBytes + row * 16) = packed;
+    *reinterpret_cast<uint4*>(query + (4 * k + part) * kColumnBytes + row * 16) = packed;
   }
   FenceProxyAsync();
   NamedBarrierSync(kConsumers, 256);  // all of Q is written
@@ -356,9 +385,9 @@ __device__ __forceinline__ void ScaledBf16Columns(uint4 bytes, float scale, uint
 // columns and, per warp, the valid flags of its 8 rows.
 inline constexpr uint32_t kPeerTileBytes = kBlockN / 2 * (kOperandBytes / kBlockN) + 4 * 4;
 
-// Warpgroup 2 for fp8 rows: the CTA's rows of every tile of the split into buffer tile % 2, once
-// all consumers freed it, in rounds of 32 rows with 4 threads per row. Alone (kPaired false) a
-// CTA's producer converts all 64 rows of a tile in two rounds; paired, each converts half of them
+// Warpgroup 2: the CTA's rows of every tile of the split into buffer tile % 2, once all consumers
+// freed it, in rounds of 32 rows with 4 threads per row. Alone (kPaired false) a CTA's producer
+// converts all 64 rows of a tile in two rounds; paired, each CTA's producer converts half of them
 // (rows 32 rank + [0, 32), one round per tile) into both CTAs' buffers, so each row is gathered
 // and converted once per token for 128 heads. Lane l of warp w takes row 8 w + l % 8 of the round
 // and the chunks of part l / 8 (RowChunks): a warp reads 64 contiguous bytes per row, and each
@@ -464,59 +493,6 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
   }
 }
 
-// Arrivals on a buffer's `ready` per tile: one per producer thread (converted rows: a plain
-// arrival after its stores; bf16 rows: ArriveOnCopies, once its copies have landed) and, for bf16
-// rows, one per producer warp after it wrote its valid-row words (the copies' arrivals order
-// nothing of the threads' own stores).
-template <KvLayout kLayout>
-inline constexpr int kReadyArrivals = kLayout == KvLayout::kBf16 ? 128 + 4 : 128;
-
-// Warpgroup 2 for bf16 rows: every row of every tile of the split into buffer tile % 2, once all
-// consumers freed it, as 16-byte cp.async copies (72 per row) straight into the operand layout,
-// zero-filled for invalid slots. Lane l of warp w copies rows 8 w + l % 8 and 32 more, columns
-// 4 k + l / 8 (k < 18): a warp reads 64 contiguous bytes of each of its 8 rows per instruction,
-// and each quarter warp writes 8 rows' 16 bytes of one column, 128 contiguous bytes. The slots of
-// tile t + 1 are read before the wait for tile t's buffer.
-__device__ __forceinline__ void CopyTiles(Shared& smem, const DecodeParams& p, int token,
-                                          int key_begin, int key_end, int num_tiles, int thread) {
-  constexpr int kRows = 2;  // per thread and tile
-  constexpr int kColumns = kQkDim / 8 / 4;  // per thread and row
-  constexpr int kBf16RowBytes = kRowBytes<KvLayout::kBf16>;
-  const int lane = thread % 32, part = lane / 8;
-  const int first_row = 8 * (thread / 32) + lane % 8;
-  const int32_t* token_indices = p.indices + int64_t{token} * p.num_keys;
-  const auto slot_of = [&](int tile, int r) {
-    const int position = key_begin + tile * kBlockN + first_row + 32 * r;
-    return position < key_end ? token_indices[position] : -1;
-  };
-  int32_t slots[kRows] = {slot_of(0, 0), slot_of(0, 1)};
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int buffer = tile % kBuffers;
-    const int32_t next_slots[kRows] = {slot_of(tile + 1, 0), slot_of(tile + 1, 1)};
-    if (tile >= kBuffers) WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
-    uint8_t* keys = smem.keys[buffer];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const int row = first_row + 32 * r;
-      const bool valid = slots[r] >= 0 && slots[r] < p.num_slots;
-      const uint8_t* source = p.kv + (valid ? int64_t{slots[r]} * kBf16RowBytes : 0);
-#pragma unroll
-      for (int k = 0; k < kColumns; ++k) {
-        const int column = 4 * k + part;
-        sm90::CopyAsync16(keys + column * kColumnBytes + row * 16, source + column * 16, valid);
-      }
-      // The warp's 8 rows of this half (lanes 0-7) are word row / 8 of valid_rows.
-      const uint32_t flags = __ballot_sync(0xffffffffu, valid) & 0xffu;
-      if (lane == 0) smem.valid_rows[buffer][row / 8] = flags;
-    }
-    sm90::ArriveOnCopies(smem.ready + buffer);
-    if (lane == 0) ArriveBarrier(smem.ready + buffer);  // releases the valid-row words
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) slots[r] = next_slots[r];
-  }
-  sm90::WaitAllCopies();  // no thread leaves with copies in flight
-}
-
 // The epilogue of one consumer warpgroup: its 256 columns, element i of `out` at column
 // 256 warpgroup + 8 (i / 4) + 2 (l % 4) + i % 2 of rows row0 (i % 4 < 2) and row1. With one split
 // `staging` (64 rows of 1040 bytes, no longer read by any MMA) takes the bf16 rows first.
@@ -580,11 +556,10 @@ __device__ __forceinline__ void WriteOutput(const float (&out)[128], const Decod
 }
 
 // kPaired: launched in clusters of 2 CTAs along x (the two head groups of a token, H in (64, 128]),
-// whose producers share the conversion of each tile (fp8 rows only).
+// whose producers share the conversion of each tile.
 template <KvLayout kLayout, bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(const DecodeParams p) {
-  constexpr bool kCopied = kLayout == KvLayout::kBf16;  // rows by cp.async (CopyTiles)
-  static_assert(!(kCopied && kPaired), "cp.async cannot fill the peer CTA's buffers");
+  static_assert(kLayout != KvLayout::kBf16, "bf16 rows run on sm90_bf16_kernel.cuh");
   using ScoresMma = typename Operands<kLayout>::ScoresMma;
   using ValuesMma = typename Operands<kLayout>::ValuesMma;
   using ValuesMmaRs = typename Operands<kLayout>::ValuesMmaRs;
@@ -596,13 +571,11 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   const int warpgroup = threadIdx.x / 128, thread = threadIdx.x % 128;
   const int lane = thread % 32;
 
-  const int valid_count = min(max(p.valid_counts[token], 0), p.num_keys);
-  const int key_begin = split * p.keys_per_split;
-  const int key_end = min(key_begin + p.keys_per_split, valid_count);
-  const int num_tiles = key_end > key_begin ? (key_end - key_begin + kBlockN - 1) / kBlockN : 0;
+  const SplitRange range = SplitOf(p, token, split);
+  const int key_begin = range.key_begin, key_end = range.key_end, num_tiles = range.num_tiles;
 
   if (threadIdx.x < kBuffers) {
-    InitBarrier(smem.ready + threadIdx.x, kReadyArrivals<kLayout>);
+    InitBarrier(smem.ready + threadIdx.x, 128);
     InitBarrier(smem.peer_ready + threadIdx.x, 1);
     InitBarrier(smem.freed + threadIdx.x, kPaired ? 4 : 2);
   }
@@ -614,23 +587,16 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
 
   if (warpgroup == 2) {
     SetRegisters<kProducerRegisters>();
-    if constexpr (kCopied) {
-      CopyTiles(smem, p, token, key_begin, key_end, num_tiles, thread);
-    } else {
-      ProduceTiles<kLayout, kPaired>(smem, p, token, key_begin, key_end, num_tiles, thread);
-    }
+    ProduceTiles<kLayout, kPaired>(smem, p, token, key_begin, key_end, num_tiles, thread);
     return;
   }
   // Waits until buffer `tile % 2` holds the tile (with kPaired, the peer's rows too). The waits are
   // CTA-scoped also where the other CTA completes the phase (its st.async bytes, its arrivals on
   // `freed`), as in CUTLASS's cluster pipelines: the barrier and the data are this CTA's.
-  // Copied rows were written by cp.async (the generic proxy) with no thread left to fence them for
-  // wgmma's reads (the async proxy): each consumer fences once the tile is visible to it.
   const auto wait_for_tile = [&](int tile) {
     const int buffer = tile % kBuffers;
     WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
     if constexpr (kPaired) WaitBarrier(smem.peer_ready + buffer, (tile / kBuffers) % 2);
-    if constexpr (kCopied) FenceProxyAsync();
   };
   // One warpgroup's arrival on the buffer's `freed` (with kPaired, on both CTAs').
   const auto free_buffer = [&](int buffer) {
@@ -647,7 +613,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   // setmaxnreg grants only to code that no other register count reaches.
   if (warpgroup == 0) {
     SetRegisters<kScoreRegisters>();
-    LoadQuery<kLayout>(smem, p, token, head_begin, threadIdx.x, query_unscale);
+    LoadQuery<kLayout>(smem.q, p, token, head_begin, threadIdx.x, query_unscale);
     float out[128] = {};
     const float score_scale0 = p.score_scale_log2 * query_unscale[row0];
     const float score_scale1 = p.score_scale_log2 * query_unscale[row1];
@@ -725,13 +691,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       // P for warpgroup 1, once it has read the previous tile's P and rescale factors.
       const auto share_probs = [&] {
         if (tile > 0) NamedBarrierSync(kProbsRead, 256);
-#pragma unroll
-        for (int i = 0; i < 32; i += 2) {
-          const int key = 8 * (i / 4) + column_in_block;
-          const int row = (i / 2) % 2 == 0 ? row0 : row1;
-          *reinterpret_cast<uint32_t*>(smem.probs + key / 8 * kColumnBytes + row * 16 +
-                                       (key % 8) * 2) = probs[i / 2];
-        }
+        StoreProbs(smem.probs, probs, row0, row1, column_in_block);
         if (lane % 4 == 0) {
           smem.rescale[row0] = rescale[0];
           smem.rescale[row1] = rescale[1];
@@ -772,7 +732,7 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
     if constexpr (kPaired) ClusterSync();
   } else {
     SetRegisters<kValueRegisters>();
-    LoadQuery<kLayout>(smem, p, token, head_begin, threadIdx.x, query_unscale);
+    LoadQuery<kLayout>(smem.q, p, token, head_begin, threadIdx.x, query_unscale);
     float out[128] = {};
     const uint64_t probs_operand = KMajor(smem.probs);
     for (int tile = 0; tile < num_tiles; ++tile) {

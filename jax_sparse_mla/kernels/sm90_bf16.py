@@ -2,13 +2,15 @@
 kernel.
 
 FlashInfer's Hopper kernel (`sm90.py`) needs every token's slots packed to the front first (a kernel
-of its own per call) and runs S and the softmax on one warpgroup. This binding runs the 64-head
-warpgroup-MMA kernel of our fp8 path (`ffi/sm90/sm90_fp8_wide_kernel.cuh`) over bf16 rows: its
-producer warpgroup copies each tile's 64 rows with 16-byte `cp.async` straight into the wgmma
-operand layout (an invalid slot, by the op's index rule, becomes a zero row and a cleared valid bit;
-nothing is read for it), one consumer warpgroup computes S, the softmax and half of P V, the other
-the other half. Every head count runs on it, in groups of 64 heads (a 16-head call computes 64 rows,
-48 of them zero); the plan and the split merge are the fp8 path's (`sm90_fp8.plan`).
+of its own per call) and runs S and the softmax on one warpgroup. Our kernel
+(`ffi/sm90/sm90_bf16_kernel.cuh`, on the operand layout of the 64-head fp8 kernel) has a producer
+warpgroup copy each tile's 64 rows with 16-byte `cp.async` straight into the wgmma operand layout
+(an invalid slot, by the op's index rule, becomes a zero row and a cleared valid bit; nothing is
+read for it), in half tiles with barriers of their own. Its two consumer warpgroups take alternate
+tiles for S and the softmax, share one running max per row, and each adds P V of both tiles to its
+half of the output, so neither idles through the other's softmax. Every head count runs on it, in
+groups of 64 heads (a 16-head call computes 64 rows, 48 of them zero); the plan (splits of whole
+tile pairs) and the split merge are the fp8 path's (`sm90_fp8.plan`).
 
 Registered with validated=False until its GPU tests have passed on an H100/H200:
 implementation="native" runs it for bf16 caches, "auto" keeps FlashInfer's kernel.
@@ -34,7 +36,7 @@ def _sm90_bf16_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_sc
     if num_tokens == 0:
         return sm90_fp8.empty_result(num_heads)
     p = sm90_fp8.plan(num_tokens, num_heads, indices.shape[1], registry.device_sm_count(),
-                      wide_only=True)
+                      bf16_rows=True)
     return sm90_fp8.call_decode(
         TARGET, q, kv_cache.reshape(-1, kv_cache.shape[-1]), indices, valid_counts, p,
         lse_base=lse_base, layout=np.int64(LAYOUT),

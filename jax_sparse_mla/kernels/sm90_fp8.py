@@ -25,8 +25,8 @@ float32); e4m3 values convert exactly in both kernels.
 
 Work split: one CTA per (token, group of 16 or 64 heads, split of the top-k list). A static plan
 per shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel
-combines them. bf16 caches run FlashInfer's kernel (`sm90.py`) or the 64-head kernel over bf16
-rows (`sm90_bf16.py`, which shares this module's plan and call).
+combines them. bf16 caches run FlashInfer's kernel (`sm90.py`) or our bf16 kernel (`sm90_bf16.py`,
+which shares this module's plan and call).
 """
 
 from __future__ import annotations
@@ -61,22 +61,26 @@ class Plan:
 
 @functools.lru_cache(maxsize=512)
 def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int,
-         wide_only: bool = False) -> Plan:
+         bf16_rows: bool = False) -> Plan:
     """Static work split for T tokens x H heads over K slots on a GPU with `sm_count` SMs.
 
     Splits only when T x head groups is below one CTA per SM, keeping at least two tiles per split
     (each CTA also loads its queries), and always enough to keep a split within MAX_KEYS_PER_SPLIT.
-    wide_only: 64 heads per CTA at every H (bf16 rows have no 16-head kernel).
+    bf16_rows: the plan of the bf16 kernel (ffi/sm90/sm90_bf16_kernel.cuh), which has no 16-head
+    form and steps through two tiles at a time: 64 heads per CTA at every H, and splits of whole
+    tile pairs (an odd tile count would end each split on a pair with an empty second tile).
     """
     # More than 16 heads: the 64-head warpgroup-MMA kernel (sm90_fp8_wide_kernel.cuh). At 32 heads
     # it took 93.3 / 96.1 us (e4m3 / fp8_ds_mla, H200 kernel time, T=128) where a 32-head mma.sync
     # CTA took 92.2 / 117.2.
-    heads_per_cta = 16 if num_heads <= 16 and not wide_only else 64
+    heads_per_cta = 16 if num_heads <= 16 and not bf16_rows else 64
+    tiles_per_step = 2 if bf16_rows else 1
     tiles = max(1, -(-num_keys // TILE_KEYS))
     ctas = num_tokens * -(-num_heads // heads_per_cta)
     splits = max(1, min(tiles // 2, sm_count // max(ctas, 1)))
     splits = max(splits, -(-tiles * TILE_KEYS // MAX_KEYS_PER_SPLIT))
     tiles_per_split = -(-tiles // splits)
+    tiles_per_split = -(-tiles_per_split // tiles_per_step) * tiles_per_step
     return Plan(heads_per_cta=heads_per_cta, num_splits=-(-tiles // tiles_per_split),
                 keys_per_split=tiles_per_split * TILE_KEYS)
 

@@ -165,11 +165,19 @@ def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys):
     assert p.num_splits <= max(1, -(-num_keys // 2048), 132 // ctas)
 
 
-@pytest.mark.parametrize("num_tokens,num_heads", [(1, 1), (1, 16), (128, 16), (7, 128), (3, 192)])
-def test_sm90_bf16_plan_is_64_heads_per_cta(num_tokens, num_heads):
-    p = sm90_fp8.plan(num_tokens, num_heads, 2048, 132, wide_only=True)
-    assert p.heads_per_cta == 64 and p.num_splits * p.keys_per_split >= 2048
-    assert p == sm90_fp8.plan(num_tokens, max(num_heads, 17), 2048, 132)  # the fp8 64-head plan
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 128, 8192])
+@pytest.mark.parametrize("num_heads", [1, 16, 128, 192])
+@pytest.mark.parametrize("num_keys", [0, 1, 64, 2048, 2049, 4224])
+def test_sm90_bf16_plan_is_64_heads_per_cta_and_whole_tile_pairs(num_tokens, num_heads, num_keys):
+    p = sm90_fp8.plan(num_tokens, num_heads, num_keys, 132, bf16_rows=True)
+    assert p.heads_per_cta == 64
+    assert p.keys_per_split % 128 == 0 and 0 < p.keys_per_split <= 2048
+    assert p.num_splits * p.keys_per_split >= num_keys
+    assert (p.num_splits - 1) * p.keys_per_split < max(num_keys, 1)
+    # The fp8 64-head plan, its splits widened to whole pairs where they held an odd tile count.
+    fp8 = sm90_fp8.plan(num_tokens, max(num_heads, 17), num_keys, 132)
+    assert p.num_splits <= fp8.num_splits
+    assert fp8.keys_per_split <= p.keys_per_split <= fp8.keys_per_split + 64
 
 
 def test_sm90_bf16_is_native_only_until_validated(fake_gpu):

@@ -130,10 +130,11 @@ def test_bf16_matches_pure_jax(bf16_kernel, num_tokens, num_heads, num_keys):
     check_case(num_tokens, num_heads, num_keys, "bf16", "e" if num_tokens % 2 else "2")
 
 
-# Our bf16 kernel at head counts that pad a group (1, 20, 100) or need three groups (192), and K
-# beyond one split (4224).
+# Our bf16 kernel at head counts that pad a group (1, 20, 100) or need three groups (192), K beyond
+# one split (4224), and odd tile counts (1 and 3 tiles: the last pair's second tile is empty).
 @pytest.mark.parametrize("num_tokens,num_heads,num_keys", [(1, 1, 64), (5, 20, 2048),
-                                                           (3, 100, 4224), (2, 192, 2048)])
+                                                           (3, 100, 4224), (2, 192, 2048),
+                                                           (2, 64, 192)])
 def test_our_bf16_kernel_at_odd_head_counts(monkeypatch, num_tokens, num_heads, num_keys):
     monkeypatch.setattr(registry, "_KERNELS",
                         keep_only_bf16_kernel(registry.registered_kernels(), "sm90_bf16"))
