@@ -3,7 +3,7 @@
 Run under Nsight Compute, which times each kernel on its own (no launch gaps, no dispatch):
 
     ncu --clock-control none --metrics gpu__time_duration.sum \
-        --kernel-name regex:"BatchMLAPageAttentionHopper|PackAndClamp|SparseMlaFp8|MergeSplits" \
+        --kernel-name regex:"BatchMLAPageAttentionHopper|PackAndClamp|SparseMla|MergeSplits" \
         python benchmarks/kernel_times_sm90.py [--shapes 8x16 128x16 128x128] [--kv-dtype fp8] \
         [--calls 3] > kernel_times.csv  # with ncu's --csv
     python benchmarks/kernel_times_sm90.py --summarize kernel_times.csv
@@ -11,7 +11,7 @@ Run under Nsight Compute, which times each kernel on its own (no launch gaps, no
 For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: `--calls` jitted
 calls of each native backend of bench_sm90.py for the cache (bf16: "native", PackAndClamp then
 FlashInfer's BatchMLAPageAttentionHopperKernel as compiled by this package's build, and "native_bf16",
-our SparseMlaFp8WideDecodeKernel over bf16 rows; fp8: "native_fp8", our SparseMlaFp8DecodeKernel, or
+our SparseMlaBf16DecodeKernel; fp8: "native_fp8", our SparseMlaFp8DecodeKernel, or
 SparseMlaFp8WideDecodeKernel with more than 16 heads, and "native_fa3_fp8"; fp8_ds_mla: "native_fp8";
 our kernels followed by MergeSplitsKernel when the plan splits) and, for bf16 and fp8 caches, as many
 BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled by

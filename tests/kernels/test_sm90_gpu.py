@@ -1,5 +1,5 @@
 """GPU tests of the SM90 native kernels for bf16 caches (FlashInfer's Hopper MLA kernel, and our
-64-head kernel over bf16 rows: `bf16_kernel` runs each case on both) and of FlashInfer's kernel over
+bf16 kernel, ffi/sm90/sm90_bf16_kernel.cuh: `bf16_kernel` runs each case on both) and of FlashInfer's kernel over
 per-tensor fp8 caches, each behind an XLA FFI custom call.
 
 Each case compares the native kernel with the pure-JAX kernel (implementation="xla") on the same
