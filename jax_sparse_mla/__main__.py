@@ -120,7 +120,12 @@ def _indexer_lines() -> list[str]:
     for op in ops:
         natives = [k for k in reversed(registry.registered_op_kernels(op)) if k.native]
         if natives:
-            lines += _dispatch_lines(op, natives, registry.op_rejection_reason)
+            block = _dispatch_lines(op, natives, registry.op_rejection_reason)
+            chosen = next((k for k in natives if block[0].endswith(f": {k.name}")), None)
+            if chosen is not None and chosen.slower_here is not None:
+                # A shape rule needs the call's shapes: say where "auto" runs another kernel.
+                block.append(f"      (not {chosen.name} for {chosen.slower_here.__doc__})")
+            lines += block
         else:
             lines.append(f"  {op}: xla (pure JAX: no native kernel is registered for it)")
     return lines

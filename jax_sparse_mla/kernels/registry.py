@@ -280,6 +280,9 @@ class OpKernel:
     native, capability_majors, available: as in SparseMLAKernel.
     check:            optional check(problem: IndexerProblem, (major, minor)) -> None or the reason.
     validated:        as in SparseMLAKernel.
+    slower_here:      optional slower_here(problem) -> None, or the measurement by which this kernel
+                      lost to another validated kernel of the op (registered before it) on problems of
+                      this shape on its GPU: "auto" then passes it over, "native" still runs it.
     """
 
     op: str
@@ -290,6 +293,7 @@ class OpKernel:
     available: Callable[[], bool] = lambda: True
     check: Callable[[IndexerProblem, tuple[int, int]], str | None] | None = None
     validated: bool = True
+    slower_here: Callable[[IndexerProblem], str | None] | None = None
 
 
 _OP_KERNELS: dict[str, list[OpKernel]] = {}
@@ -321,11 +325,20 @@ def op_rejection_reason(kernel: OpKernel, problem: IndexerProblem | None = None)
     return _build_reason(kernel.available, kernel.check, problem, capability)
 
 
+def op_auto_rejection_reason(kernel: OpKernel, problem: IndexerProblem | None = None) -> str | None:
+    """Why implementation="auto" does not run the validated native op `kernel` for this call: it
+    cannot (op_rejection_reason), or another kernel of the op measured faster on problems like this."""
+    why = op_rejection_reason(kernel, problem)
+    if why is None and problem is not None and kernel.slower_here is not None:
+        why = kernel.slower_here(problem)
+    return why
+
+
 def select_op_kernel(op: str, implementation: str = "auto",
                      problem: IndexerProblem | None = None) -> OpKernel:
     """Picks the implementation of `op` for this device (the rules of select_kernel)."""
     if op not in _OP_KERNELS:
         raise KeyError(f"no kernel is registered for the op {op!r}.")
-
-    return _choose(_OP_KERNELS[op], implementation,
-                   lambda kernel: op_rejection_reason(kernel, problem), f" for {op}")
+    reason = op_auto_rejection_reason if implementation == "auto" else op_rejection_reason
+    return _choose(_OP_KERNELS[op], implementation, lambda kernel: reason(kernel, problem),
+                   f" for {op}")

@@ -12,14 +12,15 @@ position order that keeps every key above the threshold and the lowest-positione
 each kept position at its prefix-sum rank: ascending positions, deterministic, no sort. Rows are
 read as aligned float4 groups whatever the row start.
 
-Both kernels passed their GPU tests on an H200 (tests/kernels/test_sm90_indexer_topk_gpu.py,
+The one-CTA kernels passed their GPU tests on an H200 (tests/kernels/test_sm90_indexer_topk_gpu.py,
 memcheck and command buffers included): implementation="auto" runs them on SM90.
 
 The cluster form (`ffi/sm90/indexer_topk_cluster.cuh`, kernel name "sm90_topk_cluster") gives the
 same array with one row spread over a thread-block cluster of up to 8 CTAs, the row read once into
-shared memory and every pass run there (rows of at most MAX_CLUSTER_WIDTH positions). It has not
-run on a GPU yet (`validated=False`): implementation="native" runs it where it fits, "auto" passes
-it over.
+shared memory and every pass run there (rows of at most MAX_CLUSTER_WIDTH positions). It passed the
+same GPU tests on an H100 (racecheck too) and is preferred by both "native" and "auto", except that
+"auto" keeps the one-CTA kernel for rows of at most ONE_CTA_MAX_WIDTH positions, where the cluster
+measured slower (`cluster_slower_here`; the numbers are in docs/indexer.md).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ MAX_DIM = 2**31 - 1
 MAX_CLUSTER_SIZE = 8
 MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * 10240 * 4 - 3
 MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
+# Rows this wide or narrower: "auto" runs the one-CTA kernel (device times on an H100, k = 2048, in
+# microseconds, one-CTA vs cluster: 32 x 8192 12.9 vs 22.3, 128 x 8192 13.1 vs 14.4, 1 x 8192 12.3
+# vs 12.3; at 16384 the cluster wins at 1 and 128 rows, 15.4 vs 20.0 and 20.9 vs 23.4, and loses
+# at 32 rows, 24.9 vs 21.9).
+ONE_CTA_MAX_WIDTH = 8192
 
 
 def check_problem(problem: registry.IndexerProblem,
@@ -86,6 +92,14 @@ def check_cluster_problem(problem: registry.IndexerProblem,
     return None
 
 
+def cluster_slower_here(problem: registry.IndexerProblem) -> str | None:
+    """rows of at most 8192 positions (ONE_CTA_MAX_WIDTH), where the one-CTA kernel measured faster"""
+    if problem.num_keys <= ONE_CTA_MAX_WIDTH:
+        return (f"rows of {problem.num_keys} <= {ONE_CTA_MAX_WIDTH} positions, where the one-CTA "
+                f"kernel measured faster (H100, 32 x 8192: 12.9 vs 22.3 us)")
+    return None
+
+
 def _empty(num_rows: int, k: int) -> jax.Array:
     return jnp.full((num_rows, k), -1, jnp.int32)
 
@@ -114,7 +128,7 @@ def _top_k_per_row_decode(logits: jax.Array, context_lens: jax.Array, *, next_n:
     return call(logits, context_lens, next_n=np.int64(next_n))
 
 
-def _register(name: str, check, validated: bool, target: str, target_decode: str) -> None:
+def _register(name: str, check, target: str, target_decode: str, slower_here=None) -> None:
     for op, fn, op_target in (("top_k_per_row", _top_k_per_row, target),
                               ("top_k_per_row_decode", _top_k_per_row_decode, target_decode)):
         registry.register_op_kernel(registry.OpKernel(
@@ -125,11 +139,11 @@ def _register(name: str, check, validated: bool, target: str, target_decode: str
             fn=functools.partial(fn, target=op_target),
             available=lambda op_target=op_target: native.has_target(op_target),
             check=check,
-            validated=validated,
+            slower_here=slower_here,
         ))
 
 
-_register("sm90_topk", check_problem, True, TARGET, TARGET_DECODE)
-# Registered later, so implementation="native" prefers the cluster form where it fits.
-_register("sm90_topk_cluster", check_cluster_problem, False, TARGET_CLUSTER,
-          TARGET_DECODE_CLUSTER)
+_register("sm90_topk", check_problem, TARGET, TARGET_DECODE)
+# Registered later, so the cluster form is preferred where it fits ("auto": where it measured faster).
+_register("sm90_topk_cluster", check_cluster_problem, TARGET_CLUSTER, TARGET_DECODE_CLUSTER,
+          slower_here=cluster_slower_here)

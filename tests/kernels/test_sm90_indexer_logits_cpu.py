@@ -98,7 +98,7 @@ def test_tiles_per_cta(ctas, num_tiles):
 def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
     kernels = {k.name: k for k in registry.registered_op_kernels(op) if k.native}
     assert set(kernels) == {"sm90_mqa_logits", "sm90_mqa_logits_wgmma"}
-    assert kernels["sm90_mqa_logits"].validated and not kernels["sm90_mqa_logits_wgmma"].validated
+    assert kernels["sm90_mqa_logits"].validated and kernels["sm90_mqa_logits_wgmma"].validated
     assert all(k.capability_majors == (9,) for k in kernels.values())
     assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
     # The faked extension has only the mma.sync targets.
@@ -108,10 +108,10 @@ def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
 
 @pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
                                         ("fp8_mqa_logits", ragged())])
-def test_native_prefers_the_wgmma_form_auto_does_not(fake_sm90, monkeypatch, op, problem):
+def test_native_and_auto_prefer_the_wgmma_form(fake_sm90, monkeypatch, op, problem):
     monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS))
     assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_wgmma"
-    assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
+    assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits_wgmma"
 
 
 def test_the_wgmma_form_lowers_to_its_targets(fake_sm90, monkeypatch):
@@ -128,7 +128,7 @@ def test_the_wgmma_form_lowers_to_its_targets(fake_sm90, monkeypatch):
     assert f"@{logits.PAGED_WGMMA_TARGET}(" in text
     text = jax.jit(lambda *a: jsm.fp8_paged_mqa_logits(*a, max_context_len=256)
                    ).lower(q, cache, weights, lens, table).as_text()
-    assert f"@{logits.PAGED_TARGET}(" in text and logits.PAGED_WGMMA_TARGET not in text
+    assert f"@{logits.PAGED_WGMMA_TARGET}(" in text  # auto runs it too
     qr = jax.ShapeDtypeStruct((5, 64, 128), jnp.float8_e4m3fn)
     keys = jax.ShapeDtypeStruct((300, 128), jnp.float8_e4m3fn)
     rows = jax.ShapeDtypeStruct((5,), jnp.int32)

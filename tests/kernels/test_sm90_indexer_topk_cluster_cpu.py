@@ -222,20 +222,34 @@ def fake_sm90(monkeypatch):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_registered_not_validated(op):
+def test_registered_validated_with_a_shape_rule(op):
     ours = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk_cluster"]
     assert len(ours) == 1
     kernel = ours[0]
-    assert kernel.native and kernel.capability_majors == (9,) and not kernel.validated
+    assert kernel.native and kernel.capability_majors == (9,) and kernel.validated
     assert kernel.check is topk.check_cluster_problem
+    assert kernel.slower_here is topk.cluster_slower_here
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_native_prefers_it_auto_passes_it_over(fake_sm90, op):
-    assert registry.select_op_kernel(op, "native", problem(op)).name == "sm90_topk_cluster"
-    assert registry.select_op_kernel(op, "auto", problem(op)).name == "sm90_topk"
+@pytest.mark.parametrize("width,rows", [(2048, 1), (8192, 32), (8192, 128), (8193, 32),
+                                        (65536, 1), (131072, 128)])
+def test_auto_keeps_the_one_cta_kernel_for_short_rows(fake_sm90, op, width, rows):
+    """native prefers the cluster wherever it fits; auto only for rows wider than 8192 positions,
+    where it measured faster (at or below, the one-CTA kernel did)."""
+    call = problem(op, num_keys=width, num_rows=rows)
+    assert registry.select_op_kernel(op, "native", call).name == "sm90_topk_cluster"
+    want = "sm90_topk" if width <= 8192 else "sm90_topk_cluster"
+    assert registry.select_op_kernel(op, "auto", call).name == want
     wide = problem(op, num_keys=topk.MAX_CLUSTER_WIDTH + 1)
     assert registry.select_op_kernel(op, "native", wide).name == "sm90_topk"
+    assert registry.select_op_kernel(op, "auto", wide).name == "sm90_topk"
+
+
+def test_shape_rule_says_why():
+    assert topk.cluster_slower_here(problem("top_k_per_row", num_keys=8193)) is None
+    why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=4096))
+    assert "4096 <= 8192" in why and "one-CTA kernel measured faster" in why
 
 
 @pytest.mark.parametrize("override,message", [
