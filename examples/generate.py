@@ -12,6 +12,12 @@ and then decode. The indexer is DeepSeek-V3.2's as vLLM runs it (fp8 keys in a u
 prefill through the gathered-key logits, decode through the paged logits). Before generating, the example
 checks one attention layer against dense MLA attention restricted to the indexer's selection, and exits
 non-zero if they differ.
+
+--implementation picks the kernels: "xla" runs everything in pure JAX, "auto" lets each op take a native
+kernel where one fits the device, and "native" demands the native sparse-MLA kernel and the native
+kernel of every indexer op that has one registered. Two indexer ops, indexer_k_quant_and_cache and
+cp_gather_indexer_k_quant_cache, have no native kernel anywhere, so with "native" they run pure JAX
+(the example says so when it starts); see indexer_implementations.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
@@ -28,19 +35,58 @@ from tqdm import tqdm
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.flax import PRESETS, LayerCache, MLAConfig, MLASparseAttention, empty_layer_cache
+from jax_sparse_mla.flax.layers import INDEXER_OPS
+from jax_sparse_mla.kernels.registry import IMPLEMENTATIONS, registered_op_kernels
 from jax_sparse_mla.ops.kv_cache import dequantize_ds_mla_rows
 
 BLOCK_SIZE = 64
 
 
+def has_native_kernel(op: str) -> bool:
+    """Whether a native kernel is registered for the indexer op `op` (registration only: whether it
+    fits this device is the op's choice at trace time)."""
+    return any(kernel.native for kernel in registered_op_kernels(op))
+
+
+def indexer_implementations(flag: str) -> dict[str, str]:
+    """The --implementation flag -> {indexer op in INDEXER_OPS: "auto" | "xla" | "native"}.
+
+    "auto" and "xla" go to every op unchanged. "native" goes to the ops with a registered native
+    kernel; the others get "xla", because "native" is strict in the ops (it raises where no native
+    kernel fits) and indexer_k_quant_and_cache / cp_gather_indexer_k_quant_cache have only pure JAX.
+    """
+    if flag not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {flag!r}.")
+    if flag != "native":
+        return {op: flag for op in INDEXER_OPS}
+    return {op: "native" if has_native_kernel(op) else "xla" for op in INDEXER_OPS}
+
+
+def describe_indexer_implementations(flag: str) -> str:
+    """One line: what the indexer ops run under --implementation flag (indexer_implementations(flag))."""
+    if flag == "xla":
+        return "indexer: every op runs pure JAX"
+    pure = [op for op in INDEXER_OPS if not has_native_kernel(op)]
+    native = [op for op in INDEXER_OPS if op not in pure]
+    rest = ("run native" if flag == "native" else
+            "run native where a kernel fits this device, else pure JAX")
+    if not pure:
+        return f"indexer: every op has a native kernel; they {rest}"
+    if not native:
+        return "indexer: no indexer op has a native kernel; they all run pure JAX"
+    return (f"indexer: {', '.join(pure)} run pure JAX (no native kernel exists for them); "
+            f"the other indexer ops ({', '.join(native)}) {rest}")
+
+
 class DecoderBlock(nnx.Module):
-    def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, kv_cache_dtype: str, implementation: str):
+    def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, kv_cache_dtype: str, implementation: str,
+                 indexer_implementation: Mapping[str, str] | str):
         d = config.hidden_size
         norm = lambda: nnx.RMSNorm(d, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
         self.attn_norm, self.mlp_norm = norm(), norm()
         self.attn = MLASparseAttention(config, rngs=rngs, kv_cache_dtype=kv_cache_dtype,
                                        implementation=implementation,
-                                       indexer_implementation=implementation)
+                                       indexer_implementation=indexer_implementation)
         self.mlp_in = nnx.Linear(d, d, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
         self.mlp_out = nnx.Linear(d, d, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
 
@@ -52,11 +98,18 @@ class DecoderBlock(nnx.Module):
 
 class Decoder(nnx.Module):
     def __init__(self, config: MLAConfig, num_layers: int, vocab_size: int, *, rngs: nnx.Rngs,
-                 kv_cache_dtype: str = "auto", implementation: str = "auto"):
+                 kv_cache_dtype: str = "auto", implementation: str = "auto",
+                 indexer_implementation: Mapping[str, str] | str | None = None):
+        """implementation: the sparse attention's; indexer_implementation: the indexer ops' (None:
+        indexer_implementations(implementation))."""
+        if indexer_implementation is None:
+            indexer_implementation = indexer_implementations(implementation)
         self.embed = nnx.Embed(vocab_size, config.hidden_size, dtype=jnp.bfloat16,
                                param_dtype=jnp.bfloat16, rngs=rngs)
         self.blocks = nnx.List([DecoderBlock(config, rngs=rngs, kv_cache_dtype=kv_cache_dtype,
-                                             implementation=implementation) for _ in range(num_layers)])
+                                             implementation=implementation,
+                                             indexer_implementation=indexer_implementation)
+                                for _ in range(num_layers)])
         self.final_norm = nnx.RMSNorm(config.hidden_size, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                                       rngs=rngs)
 
@@ -182,9 +235,17 @@ def main(argv=None) -> dict:
                         help="attention cache: bf16, fp8 e4m3 with a per-tensor scale, or vLLM's "
                              "fp8_ds_mla rows (656 bytes: fp8 latent with tile scales + bf16 RoPE)")
     parser.add_argument("--implementation", choices=["auto", "xla", "native"], default="auto",
-                        help="kernels of the sparse attention and of the indexer (xla: all pure JAX)")
+                        help="kernels of the sparse attention and of the indexer ops. xla: all pure "
+                             "JAX; auto: native where a kernel fits the device; native: the native "
+                             "sparse-MLA kernel and native indexer kernels (errors where none fits), "
+                             "except indexer_k_quant_and_cache and cp_gather_indexer_k_quant_cache, "
+                             "which have no native kernel and run pure JAX")
     parser.add_argument("--check-tokens", type=int, default=8, help="tokens checked against dense attention")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--trace-dir", default=None,
+                        help="after the timed steps, decode new_tokens - 1 more under the JAX profiler "
+                             "and write its trace here (the GPU's kernel times per step; "
+                             "benchmarks/gpu_check.py reads it)")
     args = parser.parse_args(argv)
 
     config = PRESETS[args.preset]
@@ -195,14 +256,19 @@ def main(argv=None) -> dict:
         prompt_lens = rng.integers(40, 180, args.batch)  # some contexts exceed top-k=128, some don't
     else:
         prompt_lens = np.full(args.batch, args.context)
-    max_len = int(prompt_lens.max()) + args.new_tokens + 1
+    # --trace-dir decodes another new_tokens - 1 steps under the profiler: room for them too.
+    traced_steps = args.new_tokens - 1 if args.trace_dir else 0
+    max_len = int(prompt_lens.max()) + args.new_tokens + traced_steps + 1
     layout = PagedLayout(args.batch, -(-max_len // BLOCK_SIZE))
     print(f"{args.preset}: {num_layers} layers, {config.num_heads} heads, top-k {config.index_topk}, "
           f"batch {args.batch}, device {jax.devices()[0].device_kind}, kv cache {args.kv_cache_dtype}, "
           f"implementation {args.implementation}")
+    indexer_implementation = indexer_implementations(args.implementation)
+    print(describe_indexer_implementations(args.implementation))
 
     model = Decoder(config, num_layers, args.vocab, rngs=nnx.Rngs(args.seed),
-                    kv_cache_dtype=args.kv_cache_dtype, implementation=args.implementation)
+                    kv_cache_dtype=args.kv_cache_dtype, implementation=args.implementation,
+                    indexer_implementation=indexer_implementation)
     graphdef, state = nnx.split(model)
     caches = tuple(empty_layer_cache(config, layout.num_blocks, BLOCK_SIZE, args.kv_cache_dtype)
                    for _ in range(num_layers))
@@ -266,6 +332,15 @@ def main(argv=None) -> dict:
         generated.append(tokens)
     tokens.block_until_ready()
     step_seconds = (time.perf_counter() - start) / max(args.new_tokens - 1, 1)
+    if traced_steps:
+        # As many steps again under the profiler (it slows dispatch, so the wall time above is
+        # taken without it): the trace holds each kernel's device time.
+        with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
+            for _ in range(traced_steps):
+                tokens, caches, topks = decode_step(state, tokens, positions, caches)
+                positions = positions + 1
+            tokens.block_until_ready()
+        print(f"trace: {traced_steps} decode steps traced into {args.trace_dir}")
 
     # The attention share: the sparse-MLA kernel alone, for every layer, on this step's shapes.
     metadata = step_metadata(layout, config, decode_req_ids, positions - 1, decode_lens)

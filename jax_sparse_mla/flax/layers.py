@@ -7,7 +7,8 @@ jitted decode step can donate them.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import NamedTuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from flax import nnx
 from .._validation import (DS_MLA_ROW_BYTES, FP8_PER_TENSOR_DTYPES, INDEXER_CACHE_ROW_BYTES,
                            INDEXER_HEAD_DIM, INDEXER_NUM_HEADS)
 from ..backend import FlashInferMLASparseImpl, LayerScales
+from ..kernels.registry import IMPLEMENTATIONS
 from ..ops.indexer import (fold_indexer_weights, fp8_mqa_logits, fp8_paged_mqa_logits, quantize_indexer_q,
                            top_k_per_row, top_k_per_row_decode)
 from ..ops.indexer_cache import cp_gather_indexer_k_quant_cache, indexer_k_quant_and_cache
@@ -24,6 +26,56 @@ from ..ops.kv_cache import concat_and_cache_mla, quantize_query_fp8
 from ..ops.metadata import FlashInferMLASparseMetadata
 from .config import MLAConfig
 from .rope import apply_rope
+
+
+# The indexer ops that Indexer calls, in the order a step reaches them (the prefill path calls the
+# first two and the last two, a decode the first and the middle two). A per-op `implementation`
+# mapping is checked against, and completed from, this tuple.
+INDEXER_OPS: tuple[str, ...] = (
+    "indexer_k_quant_and_cache",
+    "cp_gather_indexer_k_quant_cache",
+    "fp8_paged_mqa_logits",
+    "top_k_per_row_decode",
+    "fp8_mqa_logits",
+    "top_k_per_row",
+)
+
+# What Indexer(implementation=...) and MLASparseAttention(indexer_implementation=...) take: one of
+# "auto" | "xla" | "native" for every indexer op, or {op name in INDEXER_OPS: one of those}.
+IndexerImplementation = Union[str, Mapping[str, str]]
+
+
+def indexer_op_implementations(implementation: IndexerImplementation, *,
+                               argument: str = "implementation") -> tuple[tuple[str, str], ...]:
+    """The implementation of each indexer op: ((op, "auto" | "xla" | "native"), ...) in INDEXER_OPS
+    order.
+
+    implementation: one string applied to every op, or a mapping from op name to string; ops missing
+    from the mapping get "auto". Raises TypeError (not a string or a mapping, or a non-string entry)
+    or ValueError (an op name outside INDEXER_OPS, a value outside IMPLEMENTATIONS), naming
+    `argument` (the caller's parameter name) so the message points at what the user wrote.
+    The result is a tuple, not a dict, because it becomes a static attribute of an nnx.Module, and
+    the module's graphdef must stay hashable (jit caches on it).
+    """
+    if isinstance(implementation, str):
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"{argument} must be one of {IMPLEMENTATIONS} or a mapping from indexer op "
+                             f"name to one of them, got {implementation!r}.")
+        return tuple((op, implementation) for op in INDEXER_OPS)
+    if not isinstance(implementation, Mapping):
+        raise TypeError(f"{argument} must be a string {IMPLEMENTATIONS} or a mapping from indexer op "
+                        f"name to one of them, got {type(implementation).__name__}: {implementation!r}.")
+    unknown = [op for op in implementation if op not in INDEXER_OPS]
+    if unknown:
+        raise ValueError(f"{argument} names unknown indexer op(s) {unknown}; the indexer ops are "
+                         f"{list(INDEXER_OPS)}.")
+    for op, value in implementation.items():
+        if not isinstance(value, str):
+            raise TypeError(f"{argument}[{op!r}] must be a string, one of {IMPLEMENTATIONS}, got "
+                            f"{type(value).__name__}: {value!r}.")
+        if value not in IMPLEMENTATIONS:
+            raise ValueError(f"{argument}[{op!r}] must be one of {IMPLEMENTATIONS}, got {value!r}.")
+    return tuple((op, implementation.get(op, "auto")) for op in INDEXER_OPS)
 
 
 class LayerCache(NamedTuple):
@@ -90,11 +142,21 @@ class Indexer(nnx.Module):
     rows = max(1, max_logits_bytes // (4 N)) tokens (fp8_mqa_logits + top_k_per_row, one chunk per
     step of a scan), so that the [rows, N] fp32 logits stay within max(max_logits_bytes, 4 N) bytes.
     Token t of request r sees rows [cu[r], cu[r] + p_t + 1) of the gathered keys.
+
+    implementation picks each indexer op's kernel: one string ("auto", "xla" or "native") for every op
+    in INDEXER_OPS, or a mapping {op name: string} whose missing ops get "auto". A mapping lets
+    "native" go to the ops that have a native kernel while the others (indexer_k_quant_and_cache and
+    cp_gather_indexer_k_quant_cache have only pure JAX) run "xla" or "auto": "native" stays strict in
+    the ops and raises where no native kernel fits. Unknown op names and values raise at construction.
+    The resolved choice is `implementations` ((op, implementation) pairs in INDEXER_OPS order) and
+    `implementation_for(op)`.
     """
 
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
                  max_decode_next_n: int = 2, max_logits_bytes: int = 512 << 20,
-                 implementation: str = "auto") -> None:
+                 implementation: IndexerImplementation = "auto") -> None:
+        # Checked before anything else so a bad value fails here, not at the first traced call.
+        self.implementations = indexer_op_implementations(implementation)
         if config.index_head_dim != INDEXER_HEAD_DIM or config.index_n_heads not in INDEXER_NUM_HEADS:
             raise ValueError(
                 f"the indexer ops take {' or '.join(map(str, INDEXER_NUM_HEADS))} heads of "
@@ -103,12 +165,16 @@ class Indexer(nnx.Module):
         self.config = config
         self.max_decode_next_n = max_decode_next_n
         self.max_logits_bytes = max_logits_bytes
-        self.implementation = implementation
         self.wq_b = _linear(config.q_lora_rank, config.index_n_heads * config.index_head_dim, rngs, dtype)
         self.wk = _linear(config.hidden_size, config.index_head_dim, rngs, dtype)
         self.k_norm = nnx.LayerNorm(config.index_head_dim, epsilon=1e-6, dtype=jnp.float32,
                                     param_dtype=jnp.float32, rngs=rngs)
         self.weights_proj = _linear(config.hidden_size, config.index_n_heads, rngs, jnp.float32)
+
+    def implementation_for(self, op: str) -> str:
+        """The implementation ("auto" | "xla" | "native") this indexer passes to the op `op`, a name in
+        INDEXER_OPS."""
+        return dict(self.implementations)[op]
 
     def _position_encode(self, x: jax.Array, positions: jax.Array) -> jax.Array:
         """RoPE on the first qk_rope_head_dim dims, bf16, then the optional Hadamard rotation."""
@@ -141,7 +207,8 @@ class Indexer(nnx.Module):
         num_tokens = q.shape[0]
         slots = metadata.slot_mapping[:num_tokens]
         index_cache = indexer_k_quant_and_cache(k[: slots.shape[0]], index_cache, slots,
-                                                implementation=self.implementation)
+                                                implementation=self.implementation_for(
+                                                    "indexer_k_quant_and_cache"))
         q8, q_scale = quantize_indexer_q(q)
         weights = fold_indexer_weights(weights, q_scale)
         next_n = metadata.max_query_len
@@ -158,9 +225,9 @@ class Indexer(nnx.Module):
         logits = fp8_paged_mqa_logits(
             q8.reshape(batch, next_n, c.index_n_heads, c.index_head_dim), index_cache, weights,
             context_lens, table, max_context_len=table.shape[1] * index_cache.shape[1],
-            implementation=self.implementation)
+            implementation=self.implementation_for("fp8_paged_mqa_logits"))
         return top_k_per_row_decode(logits, context_lens, next_n=next_n, k=c.index_topk,
-                                    implementation=self.implementation)
+                                    implementation=self.implementation_for("top_k_per_row_decode"))
 
     def _prefill(self, q8, weights, positions, index_cache, metadata):
         c = self.config
@@ -173,7 +240,8 @@ class Indexer(nnx.Module):
         seq_lens = metadata.seq_lens[:num_reqs].astype(jnp.int32)
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(seq_lens, dtype=jnp.int32)])
         k_fp8, k_scale = cp_gather_indexer_k_quant_cache(
-            index_cache, table, cu, num_tokens=capacity, implementation=self.implementation)
+            index_cache, table, cu, num_tokens=capacity,
+            implementation=self.implementation_for("cp_gather_indexer_k_quant_cache"))
         # Rows past the batch's real tokens (padding) get an empty range and select nothing.
         real = jnp.arange(num_tokens) < metadata.num_actual_tokens
         req = jnp.pad(metadata.req_id_per_token, (0, max(num_tokens - metadata.num_actual_tokens, 0)))
@@ -188,9 +256,9 @@ class Indexer(nnx.Module):
         def chunk(args):
             q_chunk, w_chunk, s_chunk, e_chunk = args
             logits = fp8_mqa_logits(q_chunk, k_fp8, k_scale, w_chunk, s_chunk, e_chunk,
-                                    implementation=self.implementation)
+                                    implementation=self.implementation_for("fp8_mqa_logits"))
             return top_k_per_row(logits, s_chunk, e_chunk, k=c.index_topk,
-                                 implementation=self.implementation)
+                                 implementation=self.implementation_for("top_k_per_row"))
 
         args = tuple(jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1))
                      for a in (q8, weights, starts, ends))
@@ -215,14 +283,22 @@ class MLASparseAttention(nnx.Module):
     W_UK is absorbed into the query (attention runs in the 576-wide latent space: MQA with one KV
     head), and W_UV is applied to the 512-wide attention output before wo.
 
-    implementation picks the sparse-MLA kernel, indexer_implementation the indexer ops' kernels
-    ("auto", "xla" or "native" each): apart, so that "native" attention keeps working on devices where
-    the indexer has no native kernel.
+    implementation picks the sparse-MLA kernel ("auto", "xla" or "native"); indexer_implementation the
+    indexer ops' kernels, as Indexer's `implementation` takes it: one string for every op in
+    INDEXER_OPS, or a mapping {op name: "auto" | "xla" | "native"} whose missing ops get "auto". They
+    are apart so that "native" attention keeps working where some indexer ops have no native kernel
+    (indexer_k_quant_and_cache and cp_gather_indexer_k_quant_cache have none anywhere), e.g.
+    indexer_implementation={"fp8_paged_mqa_logits": "native", "top_k_per_row_decode": "native",
+    "fp8_mqa_logits": "native", "top_k_per_row": "native"}. Bad values raise at construction.
     """
 
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
                  kv_cache_dtype: str = "auto", q_scale: float = 1.0, k_scale: float = 1.0,
-                 implementation: str = "auto", indexer_implementation: str = "auto") -> None:
+                 implementation: str = "auto",
+                 indexer_implementation: IndexerImplementation = "auto") -> None:
+        # Resolved here too so that an error names this layer's parameter, not the Indexer's.
+        indexer_implementation = dict(indexer_op_implementations(
+            indexer_implementation, argument="indexer_implementation"))
         c = config
         self.config = config
         self.kv_cache_dtype = kv_cache_dtype
