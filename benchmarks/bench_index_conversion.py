@@ -14,22 +14,22 @@ vLLM's own Triton kernels (from torch) are not measured: vLLM is not installed o
 Inputs: 64 requests, block_size 64, a 1024-block table per request (65536 positions; 512 blocks
 per rank for DCP); token positions uniform over the request with 10% -1 holes.
 
-Timing: per-call device time in steady state. A jitted function makes n calls back to back (each
-on its own index set, an optimization barrier between calls so XLA cannot fuse calls together);
-the per-call time is the slope (t(n2) - t(n1)) / (n2 - n1) of the medians, so the one-off dispatch
-cost cancels. `us_call` is the wall time of one jitted call with block_until_ready (dispatch
+Timing (benchmarks/timing.py): per-call device time, the median over 20 jitted calls (rotating
+over 10 index sets) of the sum of the call's kernel durations in the JAX profiler's trace, with the
+spread of the calls ((max - min) / median); a row above the copy ceiling is measured again, then
+flagged. `wall_us` is the host's time for one jitted call with block_until_ready (dispatch
 included; what a T = 1 caller pays outside a larger jit).
-Bytes per call = req_id (T*4) + token_indices (T*K*4) + gathered table entries (T*K*4) + output
-(T*K*4) + counts (T*4, when returned). Roofline in the same run: an XLA elementwise copy of
-2 GiB int32 (--copy-gib; bytes read + written), timed by the same slope. Writes DIR/index_conversion_h200.json.
+Bytes per call, the fewest that must move through HBM = req_id (T*4) + token_indices (T*K*4) +
+output (T*K*4) + counts (T*4, when returned); the block-table entries a row gathers come from a
+256 KB table that stays in L2, and are not counted. Roofline in the same run: an XLA elementwise copy of
+2 GiB int32 (--copy-gib; bytes read + written), timed the same way. Writes
+DIR/index_conversion_<card>.json (card: h100, h200, ...).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import sys
 
@@ -39,31 +39,22 @@ import numpy as np
 
 from jax_sparse_mla import convert_req_index_to_global_index, filter_and_convert_dcp_index
 from jax_sparse_mla.kernels.registry import current_device_capability
-from timing import median_seconds
+import records
+from timing import device_times, wall_times
 
 NUM_REQS, BLOCK_SIZE, TABLE_WIDTH = 64, 64, 1024
 MODES = ("plain", "plain_compact", "dcp2_compact")
 GPU_IMPLEMENTATIONS = ("native", "pallas")
-CALLS = (2, 10)  # n1, n2 of the slope
-REPEATS = 30
+NUM_SETS = 10
+CALLS = 20
 
 
 def copy_gbps(gib: float) -> float:
-    """Device copy bandwidth (bytes read + written) of a `gib` GiB int32 array, in GB/s, timed
-    like the conversions (slope over chained calls, so dispatch cancels)."""
+    """Device copy bandwidth (bytes read + written) of a `gib` GiB int32 array, in GB/s: an XLA
+    streaming kernel (one read, one write per element) timed like the conversions."""
     x = jnp.zeros((int(gib * (1 << 28)),), jnp.int32)
-
-    def chained_copies(num_calls):
-        def run(x):
-            for _ in range(num_calls):  # an XLA streaming kernel: one read, one write per element
-                x = jax.lax.optimization_barrier(x + 1)
-            return x
-        return jax.jit(run)
-
-    n1, n2 = CALLS
-    t1 = median_seconds(functools.partial(chained_copies(n1), x), REPEATS)
-    t2 = median_seconds(functools.partial(chained_copies(n2), x), REPEATS)
-    return 2 * x.nbytes * (n2 - n1) / (t2 - t1) / 1e9
+    times = device_times(jax.jit(lambda x: x + 1), [(x,)], 10)
+    return 2 * x.nbytes / times.us / 1e3
 
 
 def index_sets(num_sets: int, num_tokens: int, top_k: int, seed: int = 0):
@@ -96,38 +87,17 @@ def convert_fn(mode: str, implementation: str):
     )
 
 
-def chained(fn, num_calls: int):
-    """A jitted function running `fn` on index sets 0..num_calls-1, one after the other."""
-
-    def run(req_ids, table, toks):
-        outs = []
-        tok = toks[0]
-        for i in range(num_calls):
-            outs.append(fn(req_ids[i], table, tok))
-            if i + 1 < num_calls:
-                # Orders call i+1 after call i and keeps XLA from fusing the calls into one.
-                outs[-1], tok = jax.lax.optimization_barrier((outs[-1], toks[i + 1]))
-        return outs
-
-    return jax.jit(run)
-
-
 def bytes_per_call(mode: str, num_tokens: int, top_k: int) -> int:
     counts = num_tokens * 4 if mode != "plain" else 0
-    return num_tokens * 4 + 3 * num_tokens * top_k * 4 + counts
+    return num_tokens * 4 + 2 * num_tokens * top_k * 4 + counts
 
 
-def measure(mode: str, implementation: str, num_tokens: int, top_k: int, sets) -> dict:
+def measure(mode: str, implementation: str, num_tokens: int, top_k: int, sets, timer=device_times):
+    """timing.DeviceTimes of the jitted mode over CALLS calls rotating over the index sets (timer:
+    timing.wall_times without a GPU)."""
     req_ids, toks, table = sets
-    fn = convert_fn(mode, implementation)
-    n1, n2 = CALLS
-    t1 = median_seconds(functools.partial(chained(fn, n1), req_ids, table, toks), REPEATS)
-    t2 = median_seconds(functools.partial(chained(fn, n2), req_ids, table, toks), REPEATS)
-    per_call = max((t2 - t1) / (n2 - n1), 1e-9)
-    single = jax.jit(fn)
-    us_call = median_seconds(lambda: single(req_ids[0], table, toks[0]), REPEATS) * 1e6
-    return dict(impl=implementation, mode=mode, T=num_tokens, K=top_k, us=per_call * 1e6,
-                us_call=us_call, gbps=bytes_per_call(mode, num_tokens, top_k) / per_call / 1e9)
+    fn = jax.jit(convert_fn(mode, implementation))
+    return timer(fn, [(req, table, tok) for req, tok in zip(req_ids, toks)], CALLS)
 
 
 def check_equal(mode: str, sets) -> None:
@@ -142,59 +112,52 @@ def check_equal(mode: str, sets) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="directory for index_conversion_h200.json")
+    parser.add_argument("--out", required=True, help="directory for index_conversion_<card>.json")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 1024, 8192])
     parser.add_argument("--top-k", type=int, default=2048)
     parser.add_argument("--copy-gib", type=float, default=2.0, help="size of the copy roofline")
     args = parser.parse_args()
-    impls = [*GPU_IMPLEMENTATIONS, "xla"]
+    impls, timer = [*GPU_IMPLEMENTATIONS, "xla"], device_times
     if current_device_capability() is None:
-        print(f"no CUDA GPU (default device {jax.devices()[0].platform}): measuring xla only",
-              file=sys.stderr)
-        impls = ["xla"]
+        print(f"no CUDA GPU (default device {jax.devices()[0].platform}): measuring xla only, "
+              "with wall times", file=sys.stderr)
+        impls, timer = ["xla"], wall_times
     device = jax.devices()[0]
-    peak = copy_gbps(args.copy_gib)
+    peak = copy_gbps(args.copy_gib) if timer is device_times else float("nan")
     print(f"device: {device.device_kind}; copy bandwidth {peak:.0f} GB/s; jax {jax.__version__}")
     print("vLLM is not installed on this machine: its torch Triton kernels are not measured.")
-    rows = []
-    header = f"{'mode':>14} {'T':>5} {'impl':>6} {'us':>9} {'us_call':>8} {'GB/s':>7} {'%copy':>6}"
-    print(header)
+    os.makedirs(args.out, exist_ok=True)
+    record = records.Recorder(print, records.result_path(args.out, "index_conversion"),
+                              records.run_header(peak, vllm=(
+                                  "not installed on the benchmark machine; its torch Triton "
+                                  "kernels are not measured")), peak)
     for num_tokens in args.tokens:
-        sets = index_sets(CALLS[1], num_tokens, args.top_k)
+        sets = index_sets(NUM_SETS, num_tokens, args.top_k)
         for mode in MODES:
             if len(impls) > 1:
                 check_equal(mode, sets)
             for impl in impls:
-                row = measure(mode, impl, num_tokens, args.top_k, sets)
-                row["pct_of_copy"] = 100 * row["gbps"] / peak
-                rows.append(row)
-                print(f"{mode:>14} {num_tokens:>5} {impl:>6} {row['us']:>9.2f} "
-                      f"{row['us_call']:>8.1f} {row['gbps']:>7.0f} {row['pct_of_copy']:>5.1f}%")
-        del sets
+                row = record.measure(
+                    f"{mode:>14} T={num_tokens:>5} {impl:>6}",
+                    lambda: measure(mode, impl, num_tokens, args.top_k, sets, timer),
+                    bytes_per_call(mode, num_tokens, args.top_k), impl=impl, mode=mode,
+                    T=num_tokens, K=args.top_k)
+                row["pct_of_copy"] = 100 * row["gbps"] / peak if row["gbps"] else None
+    record.save()
+    rows = [r for r in record.rows if r["us"] is not None]
     if len(impls) > 1:
         print("\nfaster per (mode, T) (see index_conversion._select_core):")
         for mode in MODES:
             for num_tokens in args.tokens:
                 us = {r["impl"]: r["us"] for r in rows
                       if r["mode"] == mode and r["T"] == num_tokens}
+                if "xla" not in us or len(us) < len(impls):
+                    continue
                 best = min(us, key=us.get)
                 print(f"  {mode:>14} T={num_tokens:>5}: {best} ("
                       + ", ".join(f"{impl}/xla time = {us[impl] / us['xla']:.2f}"
                                   for impl in GPU_IMPLEMENTATIONS) + ")")
-    os.makedirs(args.out, exist_ok=True)
-    result = dict(
-        device=device.device_kind,
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-        jax_version=jax.__version__,
-        peak_gbps=peak,
-        vllm="not installed on the benchmark machine; its torch Triton kernels are not measured",
-        rows=rows,
-    )
-    path = os.path.join(args.out, "index_conversion_h200.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {path}")
+    print(f"wrote {record.path}")
 
 
 if __name__ == "__main__":

@@ -10,14 +10,18 @@ Decode, for B in {1, 32, 128} x context L in {8192, 65536, 131072} (every reques
 next_n = 1, H = 64, k = 2048):
   logits  fp8_paged_mqa_logits(..., max_context_len=L): "native" (implementation="native": the
           preferred SM90 kernel, validated or not), "auto" (what implementation="auto" runs: the
-          validated kernels; differs from "native" while a newer form is not yet validated; not in
-          the default --backends) and "xla" (pure JAX)
+          validated kernels, and per shape the faster where two measured differently; not in the
+          default --backends) and "xla" (pure JAX)
   topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
-          (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to) and "torch"
-          (torch.topk(logits, 2048))
+          (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to), "torch"
+          (torch.topk(logits, 2048)) and, with --backends one_cta, the one-CTA SM90 kernel called by
+          name (`sm90_topk`, which "auto" keeps for rows of at most 8192 positions; beside
+          "native", the cluster form, it shows where the shape rule comes from)
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
           "xla"
-  GB/s counts the fp8 key bytes the logits read, 132 per cached token (B * L * 132), for every op.
+  GB/s counts the bytes the op must move at least: logits the fp8 keys, 132 bytes per cached token
+  (B * L * 132), plus the fp32 logits written (B * L * 4); topk the logits read and the indices
+  written (B * L * 4 + B * k * 4); select the keys and the indices.
 Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of N keys, N in {8192,
 65536, 131072}; row i sees keys [0, N - M + i + 1), causal):
   prefill_logits  fp8_mqa_logits: "native", "auto", and "xla" where N <= --xla-prefill-max-keys
@@ -26,23 +30,21 @@ Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of 
   TFLOP/s counts the in-range products, 2 * 64 * 128 * sum_i len_i; GB/s the logits written (fp32).
 Ceilings in the same run (benchmarks/rooflines.py, torch): `peak_gbps`, a 4 GiB device-to-device copy
 (bytes read + written); `peak_tflops_fp8`, an e4m3 8192^3 product through torch._scaled_mm.
-Timing: per-call device time in steady state. JAX: jitted functions making n1 and n2 unrolled calls
-(each on its own query / logits array, so that XLA cannot merge them); the per-call time is the
-slope of the median wall times (benchmarks/timing.py), which cancels the fixed cost of a jitted
-call. torch: n2 calls on the same n2 arrays captured in one CUDA graph and replayed.
-Writes <out>/indexer_h200.json: device, date, command, peak_gbps, peak_tflops_fp8, rows (op,
-backend, B, context, us, gbps; prefill rows add M and tflops). A backend that cannot run (no SM90
-GPU, no extension, no torch) is reported and skipped.
---smoke runs tiny shapes with the pure-JAX backend only (CPU is fine) and writes nothing.
+Timing (benchmarks/timing.py): per-call device time from the JAX profiler's trace, the median over
+--calls calls (each on its own query or logits array, rotating over 4) of the sum of the call's
+kernel durations, with the spread of the calls ((max - min) / median). A row whose implied GB/s
+exceeds the copy ceiling is measured again, then flagged (records.py). torch: --calls calls
+captured in one CUDA graph, replayed and timed with CUDA events.
+Writes <out>/indexer_<card>.json (card: h100, h200, ...): header (device, card, date, command,
+ceilings) and rows (op, backend, B, context, us, spread, span_us, wall_us, gbps; prefill rows add M
+and tflops). A backend that cannot run (no SM90 GPU, no extension, no torch) is reported and skipped.
+--smoke runs tiny shapes with the pure-JAX backend only (CPU is fine, wall times) and writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import sys
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
@@ -52,7 +54,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
-from timing import median_seconds, torch_graph_seconds  # noqa: E402
+from jax_sparse_mla.kernels import registry  # noqa: E402
+import records  # noqa: E402
+from timing import device_times, torch_graph_seconds, wall_times  # noqa: E402
 
 HEADS = 64
 DIM = 128
@@ -60,9 +64,10 @@ TOP_K = 2048
 BLOCK = 64
 KEY_BYTES = 132  # fp8 values + fp32 scale per cached token
 PREFILL_ROWS = 4096
-# (n1, n2) unrolled calls per backend: few for pure JAX, whose calls are long and slow to compile.
-CALLS = {"native": (8, 40), "auto": (8, 40), "xla": (2, 10), "lax_top_k": (2, 10)}
-PREFILL_CALLS = (1, 3)
+# Distinct query / logits arrays the timed calls rotate over (decode; prefill logits are 1-2 GB).
+DECODE_SETS = 4
+PREFILL_SETS = 2
+PREFILL_CALLS = 6
 
 
 def make_decode_inputs(batch, context, seed=0):
@@ -98,18 +103,13 @@ def make_prefill_inputs(num_rows, num_keys, seed=0):
     return q, k_fp8, k_scale, weights, starts, ends
 
 
-def slope_seconds(make_call, operands, shared, calls, repeats):
-    """Per-call seconds: slope of the median wall times of n1 and n2 unrolled calls in one jit.
-    make_call(operand, *shared) -> output; operands: one distinct array per call (n2 of them);
-    shared: the arrays every call reads (the cache, lengths, ...), passed as arguments of the jit
-    (closed over, they would be constants that XLA spends seconds folding)."""
-    n1, n2 = calls
-
-    def seconds(num_calls):
-        fn = jax.jit(lambda ops, shared: [make_call(ops[i], *shared) for i in range(num_calls)])
-        return median_seconds(lambda: fn(operands[:num_calls], shared), repeats)
-
-    return max(seconds(n2) - seconds(n1), 0.0) / (n2 - n1)
+def timed(timer, make_call, operands, shared, calls):
+    """timer's DeviceTimes of jit(make_call)(operand, *shared) over `calls` calls rotating over
+    `operands` (one distinct array per set); shared: the arrays every call reads (cache, lengths,
+    ...), passed as arguments of the jit (closed over, they would be constants that XLA spends
+    seconds folding)."""
+    fn = jax.jit(make_call)
+    return timer(fn, [(operand, *shared) for operand in operands], calls)
 
 
 def torch_topk_seconds(score_sets, repeats):
@@ -130,44 +130,25 @@ def torch_topk_seconds(score_sets, repeats):
     return torch_graph_seconds(run_all, len(tensors), repeats)
 
 
-class Recorder:
-    """Rows of the result, each printed as it is measured and, with `path`, saved at once (the
-    JSON `header` plus the rows so far), so that a run cut short keeps what it measured."""
-
-    def __init__(self, log, path=None, header=None):
-        self.rows, self.log, self.path, self.header = [], log, path, header or {}
-
-    def save(self, **more):
-        if self.path is not None:
-            with open(self.path, "w") as f:
-                json.dump(dict(self.header, **more, rows=self.rows), f, indent=1)
-
-    def add(self, op, backend, batch, context, seconds, nbytes, **extra):
-        us = seconds * 1e6
-        gbps = nbytes / seconds / 1e9 if seconds > 0 else float("nan")
-        row = dict(op=op, backend=backend, B=batch, context=context, us=us, gbps=gbps, **extra)
-        self.rows.append(row)
-        self.save()
-        more = "".join(f"  {k}={v:.1f}" if isinstance(v, float) else f"  {k}={v}"
-                       for k, v in extra.items())
-        self.log(f"  {op:14s} {backend:9s} B={batch:4d} L={context:6d}: {us:9.1f} us "
-                 f"{gbps:8.1f} GB/s{more}")
-
-
 def skipped(log, what, error):
     log(f"  {what}: skipped ({str(error)[:200]})")
 
 
-def bench_decode(batch, context, backends, repeats, record):
+def bench_decode(batch, context, backends, calls, timer, record):
     q, cache, weights, lengths, table = make_decode_inputs(batch, context)
     shared = (cache, weights, lengths, table)
     key_bytes = batch * context * KEY_BYTES
-    n_max = max(CALLS[b][1] for b in CALLS)
-    queries = [q * (i % 3 + 1) for i in range(n_max)]  # distinct arrays, same magnitudes
-    scores = None
-    for backend in [b for b in backends if b in ("native", "auto", "xla")]:
-        calls = CALLS[backend]
+    logits_bytes = batch * context * 4
+    index_bytes = batch * TOP_K * 4
+    queries = [q * (i % 3 + 1) for i in range(DECODE_SETS)]  # distinct arrays, same magnitudes
+    shape = dict(B=batch, context=context)
+    score_sets = None
 
+    def measure(op, backend, run, nbytes):
+        record.measure(f"{op:14s} {backend:9s} B={batch:4d} L={context:6d}", run, nbytes,
+                       op=op, backend=backend, **shape)
+
+    for backend in [b for b in backends if b in ("native", "auto", "xla")]:
         def logits(qi, cache, weights, lengths, table, backend=backend):
             return jsm.fp8_paged_mqa_logits(qi, cache, weights, lengths, table,
                                             max_context_len=context, implementation=backend)
@@ -179,37 +160,45 @@ def bench_decode(batch, context, backends, repeats, record):
             return top_k(logits(qi, cache, weights, lengths, table), lengths)
 
         try:
-            record.add("logits", backend, batch, context,
-                       slope_seconds(logits, queries, shared, calls, repeats), key_bytes)
-            if scores is None:
+            measure("logits", backend, lambda: timed(timer, logits, queries, shared, calls),
+                    key_bytes + logits_bytes)
+            if score_sets is None:
                 scores = jax.jit(logits)(q, *shared)
-                score_sets = [scores + float(i) for i in range(n_max)]
-            record.add("topk", backend, batch, context,
-                       slope_seconds(top_k, score_sets, (lengths,), calls, repeats), key_bytes)
-            record.add("select", backend, batch, context,
-                       slope_seconds(select, queries, shared, calls, repeats), key_bytes)
+                score_sets = [scores + float(i) for i in range(DECODE_SETS)]
+            measure("topk", backend, lambda: timed(timer, top_k, score_sets, (lengths,), calls),
+                    logits_bytes + index_bytes)
+            measure("select", backend, lambda: timed(timer, select, queries, shared, calls),
+                    key_bytes + index_bytes)
         except (ValueError, RuntimeError) as error:  # e.g. no native kernel on this device
             skipped(record.log, backend, error)
-    if scores is None:
+    if score_sets is None:
         return
     if "xla" in backends:
-        record.add("topk", "lax_top_k", batch, context,
-                   slope_seconds(lambda s: jax.lax.top_k(s, TOP_K)[1], score_sets, (),
-                                 CALLS["lax_top_k"], repeats), key_bytes)
+        measure("topk", "lax_top_k",
+                lambda: timed(timer, lambda s: jax.lax.top_k(s, TOP_K)[1], score_sets, (), calls),
+                logits_bytes + index_bytes)
+    if "one_cta" in backends:
+        one_cta = next(k.fn for k in registry.registered_op_kernels("top_k_per_row_decode")
+                       if k.name == "sm90_topk")
+        measure("topk", "one_cta",
+                lambda: timed(timer, lambda s, lengths: one_cta(s, lengths, next_n=1, k=TOP_K),
+                              score_sets, (lengths,), calls),
+                logits_bytes + index_bytes)
     if "torch" in backends:
-        seconds = torch_topk_seconds(score_sets[:CALLS["native"][1]], repeats)
+        seconds = torch_topk_seconds(score_sets, calls)
         if seconds is not None:
-            record.add("topk", "torch", batch, context, seconds, key_bytes)
+            record.add(f"{'topk':14s} {'torch':9s} B={batch:4d} L={context:6d}",
+                       dict(us=seconds * 1e6), logits_bytes + index_bytes, op="topk",
+                       backend="torch", **shape)
 
 
-def bench_prefill(num_keys, backends, repeats, record, xla_max_keys, num_rows=PREFILL_ROWS):
+def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREFILL_ROWS):
     q, k_fp8, k_scale, weights, starts, ends = make_prefill_inputs(num_rows, num_keys)
     shared = (k_fp8, k_scale, weights, starts, ends)
     products = float(np.sum(np.asarray(ends - starts, np.float64)))
     flop = 2.0 * HEADS * DIM * products
     logits_bytes = num_rows * num_keys * 4
-    queries = [q * (i % 3 + 1) for i in range(PREFILL_CALLS[1])]
-    extra = lambda seconds: dict(M=num_rows, tflops=flop / seconds / 1e12 if seconds else 0.0)  # noqa: E731
+    queries = [q * (i % 3 + 1) for i in range(PREFILL_SETS)]
     score_sets = None
     for backend in [b for b in backends if b in ("native", "auto", "xla")]:
         if backend == "xla" and num_keys > xla_max_keys:
@@ -222,22 +211,32 @@ def bench_prefill(num_keys, backends, repeats, record, xla_max_keys, num_rows=PR
         def top_k(s, starts, ends, backend=backend):
             return jsm.top_k_per_row(s, starts, ends, k=TOP_K, implementation=backend)
 
+        label = f"{backend:9s} M={num_rows:4d} N={num_keys:6d}"
         try:
-            seconds = slope_seconds(logits, queries, shared, PREFILL_CALLS, repeats)
-            record.add("prefill_logits", backend, 1, num_keys, seconds, logits_bytes,
-                       **extra(seconds))
+            row = record.measure(f"prefill_logits {label}",
+                                 lambda: timed(timer, logits, queries, shared, PREFILL_CALLS),
+                                 logits_bytes, op="prefill_logits", backend=backend, B=1,
+                                 context=num_keys, M=num_rows)
+            row["tflops"] = flop / row["us"] / 1e6 if row["us"] else None
+            record.save()
+            if row["tflops"] is not None:
+                record.log(f"    {row['tflops']:.1f} TFLOP/s")
             if score_sets is None:
                 scores = jax.jit(logits)(q, *shared)
-                score_sets = [scores + float(i) for i in range(PREFILL_CALLS[1])]
+                score_sets = [scores + float(i) for i in range(PREFILL_SETS)]
                 del scores
-            seconds = slope_seconds(top_k, score_sets, (starts, ends), PREFILL_CALLS, repeats)
-            record.add("prefill_topk", backend, 1, num_keys, seconds, logits_bytes, M=num_rows)
+            record.measure(f"prefill_topk   {label}",
+                           lambda: timed(timer, top_k, score_sets, (starts, ends), PREFILL_CALLS),
+                           logits_bytes, op="prefill_topk", backend=backend, B=1,
+                           context=num_keys, M=num_rows)
         except (ValueError, RuntimeError) as error:
             skipped(record.log, backend, error)
     if "torch" in backends and score_sets is not None:
-        seconds = torch_topk_seconds(score_sets, repeats)
+        seconds = torch_topk_seconds(score_sets, PREFILL_CALLS)
         if seconds is not None:
-            record.add("prefill_topk", "torch", 1, num_keys, seconds, logits_bytes, M=num_rows)
+            record.add(f"prefill_topk   {'torch':9s} M={num_rows:4d} N={num_keys:6d}",
+                       dict(us=seconds * 1e6), logits_bytes, op="prefill_topk", backend="torch",
+                       B=1, context=num_keys, M=num_rows)
 
 
 def ceilings(backends, log):
@@ -257,10 +256,10 @@ def ceilings(backends, log):
 
 
 def smoke():
-    """Tiny shapes, pure JAX, on any device: the benchmark's code paths run."""
-    record = Recorder(print)
-    bench_decode(2, 4096, ("xla",), 1, record)
-    bench_prefill(512, ("xla",), 1, record, xla_max_keys=512, num_rows=64)
+    """Tiny shapes, pure JAX, on any device (wall times): the benchmark's code paths run."""
+    record = records.Recorder(print)
+    bench_decode(2, 4096, ("xla",), 2, wall_times, record)
+    bench_prefill(512, ("xla",), wall_times, record, xla_max_keys=512, num_rows=64)
     assert {(r["op"], r["backend"]) for r in record.rows} == {
         ("logits", "xla"), ("topk", "xla"), ("select", "xla"), ("topk", "lax_top_k"),
         ("prefill_logits", "xla"), ("prefill_topk", "xla")}, record.rows
@@ -276,8 +275,8 @@ def main(argv=None):
     parser.add_argument("--xla-prefill-max-keys", type=int, default=8192,
                         help="largest N whose prefill rows also run pure JAX (it is slow)")
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
-                        choices=["native", "auto", "xla", "torch"])
-    parser.add_argument("--repeats", type=int, default=5)
+                        choices=["native", "auto", "xla", "torch", "one_cta"])
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per decode row")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")
     args = parser.parse_args(argv)
@@ -290,16 +289,13 @@ def main(argv=None):
     peak_gbps, peak_fp8 = ceilings(args.backends, print)
     print(f"rooflines: copy {peak_gbps:.0f} GB/s, fp8 matmul {peak_fp8:.0f} TFLOP/s")
     os.makedirs(args.out, exist_ok=True)
-    record = Recorder(print, os.path.join(args.out, "indexer_h200.json"), dict(
-        device=f"{device.device_kind} (jax {jax.__version__})",
-        date=datetime.date.today().isoformat(),
-        command=" ".join(["python", "benchmarks/bench_indexer.py"] + sys.argv[1:]),
-        peak_gbps=peak_gbps, peak_tflops_fp8=peak_fp8))
+    record = records.Recorder(print, records.result_path(args.out, "indexer"),
+                              records.run_header(peak_gbps, peak_tflops_fp8=peak_fp8), peak_gbps)
     for batch in args.batch:
         for context in args.context:
-            bench_decode(batch, context, args.backends, args.repeats, record)
+            bench_decode(batch, context, args.backends, args.calls, device_times, record)
     for num_keys in args.prefill_keys:
-        bench_prefill(num_keys, args.backends, args.repeats, record, args.xla_prefill_max_keys)
+        bench_prefill(num_keys, args.backends, device_times, record, args.xla_prefill_max_keys)
     elapsed = time.perf_counter() - start
     record.save(seconds=round(elapsed))
     print(f"benchmark took {elapsed:.0f} s; wrote {record.path}")

@@ -19,26 +19,24 @@ Realistic layout: token t of index set s draws its K distinct slots from its own
 (region s * T + t of 512), so no row is shared between tokens and consecutive calls rotate through
 index sets holding 512 * 2048 rows (1.2 GB bf16) in all: every gathered byte comes from HBM.
 
-Timing: per-call device time in steady state.
-  JAX: jitted functions running n calls back to back (unrolled; n = 8 and 40 native, 2 and 6
-       pure JAX, each call on its own query array); the per-call time is the slope
-       (t(n2) - t(n1)) / (n2 - n1) of the median wall times, so the fixed cost of a jitted call
-       (dispatch, arguments, outputs, synchronisation) cancels.
+Timing: per-call device time in steady state (benchmarks/timing.py).
+  JAX: the median over 20 jitted calls (pure JAX: 6), each on its own query and index set, of the
+       sum of the call's kernel durations in the JAX profiler's trace, with the spread of the calls
+       ((max - min) / median); a row above the copy ceiling is measured again, then flagged.
   torch: n run() calls captured in one CUDA graph, replayed and timed with CUDA events (the
        wrapper's Python overhead is not in the number; without a graph it would dominate small T).
 FLOP = 2*T*H*K*(576+512); bytes = T*K*row_bytes + T*H*(576+512)*2 (q in, out out), row_bytes =
 1152 (bf16), 576 (fp8) or 656 (fp8_ds_mla).
 Roofline in the same run: bf16 8192^3 matmul (torch) and a 4 GiB device copy (bytes read + written).
 Also: T = 1 per-iteration time of a jitted decode loop (lax.fori_loop of 200 steps) for each cache
-of --kv-dtypes and each native backend above (FlashInfer from torch aside) and pure JAX.
-Writes <out>/h200.json and <out>/h200.png.
+of --kv-dtypes and each native backend above (FlashInfer from torch aside) and pure JAX: the device
+span of the loop over 200 (the kernels and the gaps between them), and its busy time over 200.
+Writes <out>/sm90_<card>.json and <out>/sm90_<card>.png (card: h100, h200, ...).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 
@@ -48,8 +46,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jax_sparse_mla as jsm  # noqa: E402
+import records  # noqa: E402
 import rooflines  # noqa: E402
-from timing import median_seconds, torch_graph_seconds  # noqa: E402
+from timing import device_times, torch_graph_seconds  # noqa: E402
 
 K = 2048
 REGION_ROWS = 8192
@@ -105,30 +104,18 @@ def index_sets(num_tokens, seed=1):
     return slots.reshape(num_sets, num_tokens, K)
 
 
-def time_jax(implementation, q, cache, sets, kv_dtype, calls, repeats, kernel=None):
-    """Per-call seconds of sparse_mla_decode: the slope (t(n2) - t(n1)) / (n2 - n1) of the median
-    wall times of jitted functions making n1 and n2 = `calls` unrolled calls, so that the fixed
-    cost of a jitted call (dispatch, arguments, outputs, synchronisation) cancels. `kernel`: a
-    registered kernel name to call instead of the one the op would pick."""
+def time_jax(implementation, q, cache, sets, kv_dtype, calls, kernel=None):
+    """timing.DeviceTimes of jit(sparse_mla_decode) over `calls` calls, call i on query i (scaled
+    copies of q) and index set i. `kernel`: a registered kernel name to call instead of the one the
+    op would pick."""
     kwargs = decode_kwargs(kv_dtype)
-    num_sets = sets.shape[0]
-    n1, n2 = calls
-    # One query per call: identical calls (same query, same index set) would be merged by XLA's
-    # common-subexpression elimination and timed once. Queries and index sets are separate arrays:
-    # a slice of one stacked array would be copied before each custom call and timed with it.
-    queries = [q * (i + 1) for i in range(n2)]
-    sets = [sets[s] for s in range(num_sets)]
-
-    def seconds(num_calls):
-        def run(queries, cache, sets):
-            return [decode(queries[i], cache.reshape(-1, 64, cache.shape[-1]), sets[i % num_sets],
-                           implementation, kernel, kwargs)
-                    for i in range(num_calls)]
-
-        fn = jax.jit(run)
-        return median_seconds(lambda: fn(queries[:num_calls], cache, sets), repeats)
-
-    return max(seconds(n2) - seconds(n1), 0.0) / (n2 - n1)
+    num_sets = min(sets.shape[0], calls)
+    # Queries and index sets are separate arrays: a slice of one stacked array would be copied
+    # before each custom call and timed with it.
+    arg_sets = [(q * (i + 1), cache, sets[i]) for i in range(num_sets)]
+    fn = jax.jit(lambda q, cache, slots: decode(q, cache.reshape(-1, 64, cache.shape[-1]), slots,
+                                                implementation, kernel, kwargs))
+    return device_times(fn, arg_sets, calls)
 
 
 def decode(q, cache, indices, implementation, kernel, kwargs):
@@ -155,7 +142,9 @@ LAYOUT_BACKENDS = {"bf16": ("native", "native_bf16", "xla"),
 
 
 def time_decode_loop(backend, q, cache, sets, kv_dtype, steps=200):
-    """Per-iteration seconds of a jitted lax.fori_loop whose body is one T = 1 decode."""
+    """(span, busy) microseconds per iteration of a jitted lax.fori_loop whose body is one T = 1
+    decode: the loop's device span (kernels and the gaps between them) and kernel time, over
+    `steps`, medians over 5 calls."""
     num_sets = sets.shape[0]
     implementation, kernel = BACKENDS[backend]
     kwargs = decode_kwargs(kv_dtype)
@@ -169,8 +158,8 @@ def time_decode_loop(backend, q, cache, sets, kv_dtype, steps=200):
             return acc + out[0].astype(jnp.float32)
         return jax.lax.fori_loop(0, steps, body, jnp.zeros((q.shape[1], 512), jnp.float32))
 
-    fn = jax.jit(loop)
-    return median_seconds(lambda: fn(q, cache, sets), 5) / steps
+    times = device_times(jax.jit(loop), [(q, cache, sets)], 5).summary()
+    return times["span_us"] / steps, times["us"] / steps
 
 
 class TorchFa3:
@@ -269,39 +258,38 @@ def main():
     device = jax.devices()[0]
     try:
         peak_tflops, peak_gbps = rooflines.matmul_tflops("bf16"), rooflines.copy_gbps()
+    except Exception as error:  # noqa: BLE001  (report and go on without the ceilings)
+        print(f"torch unavailable, no ceilings: {error!r}", file=sys.stderr)
+        peak_tflops, peak_gbps = float("nan"), float("nan")
+    try:
         torch_fa3 = None if args.no_torch else TorchFa3()
     except Exception as error:  # noqa: BLE001  (report and go on without the torch column)
         print(f"torch / flashinfer unavailable: {error!r}", file=sys.stderr)
-        torch_fa3, peak_tflops, peak_gbps = None, float("nan"), float("nan")
+        torch_fa3 = None
     print(f"device {device.device_kind}; roofline: {peak_tflops:.1f} TFLOP/s bf16, {peak_gbps:.0f} GB/s copy",
           flush=True)
 
     caches = make_inputs(args.kv_dtypes)
-    rows, loops = [], []
+    loops = []
     os.makedirs(args.out, exist_ok=True)
-
-    def save():  # after every measurement, so that a run cut short keeps what it measured
-        result = dict(
-            device=f"{device.device_kind} (jax {jax.__version__})",
-            date=datetime.date.today().isoformat(),
-            command="python " + " ".join(sys.argv),
-            peak_tflops=round(peak_tflops, 1), peak_gbps=round(peak_gbps, 1),
-            layout=f"per-token regions of {REGION_ROWS} rows, no row shared, index sets rotated",
-            rows=rows, decode_loop=loops)
-        with open(os.path.join(args.out, "h200.json"), "w") as f:
-            json.dump(result, f, indent=1)
+    record = records.Recorder(print, records.result_path(args.out, "sm90"), records.run_header(
+        round(peak_gbps, 1), peak_tflops=round(peak_tflops, 1),
+        layout=f"per-token regions of {REGION_ROWS} rows, no row shared, index sets rotated"),
+        peak_gbps)
 
     sets = index_sets(1)
     for kv_dtype in () if args.no_loop else args.kv_dtypes:
         for h in (16, 128):
             q = jax.random.normal(jax.random.key(h), (1, h, 576), jnp.bfloat16)
             for backend in LAYOUT_BACKENDS[kv_dtype]:
-                us = time_decode_loop(backend, q, caches[kv_dtype], sets, kv_dtype) * 1e6
+                span_us, busy_us = time_decode_loop(backend, q, caches[kv_dtype], sets, kv_dtype)
                 loops.append(dict(backend=backend, T=1, H=h, K=K, kv_dtype=kv_dtype,
-                                  us_per_iteration=round(us, 2),
+                                  us_per_iteration=round(span_us, 2),
+                                  busy_us_per_iteration=round(busy_us, 2),
                                   xla_flags=os.environ.get("XLA_FLAGS", "")))
-                print(f"decode loop T=1 H={h} {kv_dtype} {backend}: {us:.1f} us/iteration",
-                      flush=True)
+                print(f"decode loop T=1 H={h} {kv_dtype} {backend}: {span_us:.1f} us/iteration "
+                      f"({busy_us:.1f} in kernels)", flush=True)
+                record.save(decode_loop=loops)
     for kv_dtype in () if args.loop_only else args.kv_dtypes:
         cache = caches[kv_dtype]
         tokens, heads_list = grids[kv_dtype]
@@ -309,40 +297,50 @@ def main():
             sets = index_sets(t)
             for h in heads_list:
                 q = jax.random.normal(jax.random.key(t * h), (t, h, 576), jnp.bfloat16)
-                timings = {}
+                shape = dict(T=t, H=h, K=K, kv_dtype=kv_dtype)
                 for backend in LAYOUT_BACKENDS[kv_dtype]:
                     implementation, kernel = BACKENDS[backend]
-                    calls, repeats = ((2, 6), 3) if implementation == "xla" else ((8, 40), 5)
-                    timings[backend] = time_jax(implementation, q, cache, sets, kv_dtype, calls,
-                                                repeats, kernel=kernel)
+                    calls = 6 if implementation == "xla" else 20
+                    row = record.measure(
+                        f"{backend:>17} T={t:4d} H={h:3d} {kv_dtype:>10}",
+                        lambda: time_jax(implementation, q, cache, sets, kv_dtype, calls, kernel),
+                        nbytes(t, h, kv_dtype), backend=backend, **shape)
+                    _add_rate(row, t, h)
                 if torch_fa3 is not None and kv_dtype != "fp8_ds_mla":
                     try:
-                        timings["flashinfer_torch"] = torch_fa3.time(q, cache, sets, kv_dtype)
+                        seconds = torch_fa3.time(q, cache, sets, kv_dtype)
                     except Exception as error:  # noqa: BLE001
                         print(f"flashinfer_torch T={t} H={h} {kv_dtype}: {error!r}", file=sys.stderr)
-                for backend, seconds in timings.items():
-                    rows.append(dict(backend=backend, T=t, H=h, K=K, kv_dtype=kv_dtype,
-                                     us=round(seconds * 1e6, 2),
-                                     tflops=round(flop(t, h) / seconds / 1e12, 2) if seconds else None,
-                                     gbps=round(nbytes(t, h, kv_dtype) / seconds / 1e9, 1) if seconds else None))
-                print(" ".join(f"{b}={s * 1e6:8.1f}us" for b, s in timings.items()),
-                      f"T={t} H={h} {kv_dtype}", flush=True)
-                save()
+                    else:
+                        row = record.add(f"{'flashinfer_torch':>17} T={t:4d} H={h:3d} {kv_dtype:>10}",
+                                         dict(us=seconds * 1e6), nbytes(t, h, kv_dtype),
+                                         backend="flashinfer_torch", **shape)
+                        _add_rate(row, t, h)
+                record.save(decode_loop=loops)
 
-    save()
+    record.save(decode_loop=loops)
+    rows = record.rows
     if rows:
-        plot(rows, os.path.join(args.out, "h200.png"))
+        plot(rows, os.path.splitext(record.path)[0] + ".png")
 
-    print(f"\n{'backend':>17} {'T':>4} {'H':>4} {'kv':>10} {'us':>9} {'TF/s':>7} {'%TF':>6} {'GB/s':>7} {'%BW':>6}")
+    print(f"\n{'backend':>17} {'T':>4} {'H':>4} {'kv':>10} {'us':>9} {'spread':>6} {'TF/s':>7} {'%TF':>6} "
+          f"{'GB/s':>7} {'%BW':>6}")
     for r in rows:
-        if not r["tflops"]:  # a slope at or below zero: noise larger than the call
-            print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>10}  not resolved")
+        if r["us"] is None:
+            print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>10}  {r['flag']}")
             continue
+        spread = f"{100 * r['spread']:5.1f}%" if r.get("spread") is not None else "     -"
         print(f"{r['backend']:>17} {r['T']:>4} {r['H']:>4} {r['kv_dtype']:>10} {r['us']:>9.1f} "
-              f"{r['tflops']:>7.1f} {100 * r['tflops'] / peak_tflops:>5.1f}% {r['gbps']:>7.0f} "
+              f"{spread} {r['tflops']:>7.1f} {100 * r['tflops'] / peak_tflops:>5.1f}% {r['gbps']:>7.0f} "
               f"{100 * r['gbps'] / peak_gbps:>5.1f}%")
     for r in loops:
-        print(f"decode loop T=1 H={r['H']} {r['backend']}: {r['us_per_iteration']:.1f} us/iteration")
+        print(f"decode loop T=1 H={r['H']} {r['kv_dtype']} {r['backend']}: "
+              f"{r['us_per_iteration']:.1f} us/iteration")
+
+
+def _add_rate(row, t, h):
+    """TFLOP/s of a recorded row (None when flagged)."""
+    row["tflops"] = round(flop(t, h) / row["us"] / 1e6, 2) if row["us"] else None
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
-"""The indexer benchmark's code paths on tiny shapes (pure JAX, any device), so that the H200 run does
-not meet a broken script."""
+"""The benchmarks' shared parts on the CPU, so that a GPU run does not meet a broken script: the
+indexer benchmark's code paths on tiny shapes (pure JAX), the device-time reader on a synthetic
+profiler trace, result names and the copy-ceiling check."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
@@ -17,3 +20,78 @@ def test_bench_indexer_smoke():
                                 filter(None, [BENCHMARKS, os.environ.get("PYTHONPATH")]))))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "smoke OK" in result.stdout
+
+
+def _benchmark_module(name):
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(BENCHMARKS)
+
+
+def _write_trace(directory, events):
+    import gzip
+    import json
+
+    run = directory / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_device_times_from_a_trace(tmp_path):
+    """The trace reader keeps the GPU's stream events only and gives each call the events that start
+    inside its host annotation."""
+    timing = _benchmark_module("timing")
+    meta = lambda kind, pid, name, tid=0: dict(ph="M", name=kind, pid=pid, tid=tid,  # noqa: E731
+                                                args=dict(name=name))
+    x = lambda pid, tid, name, ts, dur: dict(ph="X", pid=pid, tid=tid, name=name, ts=ts,  # noqa: E731
+                                              dur=dur)
+    annotation = timing._ANNOTATION
+    _write_trace(tmp_path, [
+        meta("process_name", 1, "/device:GPU:0"), meta("process_name", 7, "/host:CPU"),
+        meta("thread_name", 1, "Stream #14(Compute)", 14), meta("thread_name", 1, "XLA Ops", 2),
+        x(7, 3, annotation, 1000.0, 100.0), x(7, 3, annotation, 1200.0, 50.0),
+        x(7, 3, "PjitFunction", 1001.0, 5.0),             # host work: not a device event
+        x(1, 14, "kernel_a", 1010.0, 5.0), x(1, 14, "kernel_b", 1030.0, 7.5),
+        x(1, 2, "custom-call.1", 1010.0, 27.5),            # the op line repeats the kernels
+        x(1, 14, "kernel_a", 1210.0, 6.0),
+    ])
+    windows, kernels = timing.read_trace(str(tmp_path))
+    assert windows == [(1000.0, 1100.0), (1200.0, 1250.0)]
+    assert kernels == [(1010.0, 5.0), (1030.0, 7.5), (1210.0, 6.0)]
+    times = timing.per_call_times(windows, kernels, [120.0, 60.0])
+    assert times.busy_us == (12.5, 6.0) and times.span_us == (27.5, 6.0)
+    assert times.kernels_per_call == 1.5 and times.us == (12.5 + 6.0) / 2
+    assert abs(times.spread - 6.5 / 9.25) < 1e-12
+    with pytest.raises(RuntimeError, match="no device event for call 1"):
+        timing.per_call_times(windows, kernels[:2], [1.0, 1.0])
+
+
+@pytest.mark.parametrize("kind,card", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
+                                       ("NVIDIA B200", "b200"), ("cpu", "cpu"),
+                                       ("NVIDIA RTX PRO 6000 Blackwell", "nvidia_rtx_pro_6000_blackwell")])
+def test_results_are_named_for_the_card(kind, card):
+    assert _benchmark_module("records").card_name(kind) == card
+
+
+def test_a_row_over_the_copy_ceiling_is_measured_again_then_flagged():
+    records, timing = _benchmark_module("records"), _benchmark_module("timing")
+    lines = []
+    record = records.Recorder(lines.append, peak_gbps=1000.0)
+    calls = []
+
+    def measure(us):
+        def run():
+            calls.append(us)
+            return timing.DeviceTimes((us,), (us,), (us,), 1.0)
+        return run
+
+    # 1 MB in 0.5 us is 2000 GB/s: twice the ceiling, measured twice, then flagged.
+    row = record.measure("fast", measure(0.5), 1e6, op="x")
+    assert calls == [0.5, 0.5] and row["us"] is None and row["flagged_us"] == 0.5
+    assert "exceeds the run's copy ceiling" in row["flag"] and "FLAGGED" in lines[-1]
+    row = record.measure("ok", measure(2.0), 1e6, op="x")
+    assert row["us"] == 2.0 and row["gbps"] == 500.0 and "flag" not in row and calls[-1] == 2.0
+    assert len(calls) == 3

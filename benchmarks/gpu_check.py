@@ -1,0 +1,268 @@
+"""Every GPU number in README from one command, on the local card: build, GPU suite, benchmarks, example.
+
+    make gpu-check                      # = python benchmarks/gpu_check.py --out benchmarks/results
+    python benchmarks/gpu_check.py [--out DIR] [--no-build] [--workers N] [--only STEP ...]
+
+Steps, in order (each one's output goes to DIR/gpu_check_<card>.log; a failing step is reported
+and the next one runs):
+  build      pip install of this checkout for the local card's family only (sm90 for compute
+             capability 9.x, sm100 for 10.x, sm120 for 12.x) with JAX_SPARSE_MLA_CUDA=ON; without
+             build isolation when scikit-build-core and nanobind are importable (offline machines:
+             set FLASHINFER_DATA_DIR to a FlashInfer data/ folder)
+  info       python -P -m jax_sparse_mla (what was built and what `auto` runs here)
+  tests      JAX_SPARSE_MLA_REQUIRE_GPU=1 pytest tests/kernels -n WORKERS (pytest-xdist)
+  sm90       bench_sm90.py at README's attention shapes (T 128 and 512, H 16 and 128, three caches,
+             the T = 1 decode loop)
+  indexer    bench_indexer.py: decode B {1, 32, 128} x L {8192, 65536, 131072}, native / auto /
+             pure JAX / torch.topk, prefill at N = 65536
+  conversion bench_index_conversion.py at T {1, 128, 1024, 8192}
+  example    examples/generate.py --preset deepseek-v3.2 --layers 4 --batch 32 --context 65536 with
+             --implementation auto, xla and native: wall ms/step as printed (15 steps, no profiler),
+             and the device time per step from a profiler trace of 15 more steps (the sum of their
+             kernel durations / 15; span: first kernel start to last kernel end / 15)
+Results: DIR/sm90_<card>.json (+ .png), indexer_<card>.json, index_conversion_<card>.json,
+gpu_check_<card>.json (the steps' status and times, the example's steps), gpu_check_<card>.log.
+The last thing printed is a one-screen summary. Tests and benchmarks import the installed package
+(python -P), never the source tree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+STEPS = ("build", "info", "tests", "sm90", "indexer", "conversion", "example")
+FAMILIES = {9: "sm90", 10: "sm100", 12: "sm120"}
+EXAMPLE = ["--preset", "deepseek-v3.2", "--layers", "4", "--batch", "32", "--context", "65536"]
+EXAMPLE_STEPS = 16  # --new-tokens: the first step compiles, the other 15 are timed
+
+
+class Log:
+    """Appends every step's output to one file and echoes the step lines."""
+
+    def __init__(self, path: str):
+        self.path = path
+        open(path, "w").close()
+
+    def write(self, text: str) -> None:
+        with open(self.path, "a") as f:
+            f.write(text)
+
+    def run(self, title: str, args: list[str], env: dict | None = None,
+            timeout: float = 900) -> tuple[int, str, float]:
+        """Runs `args` from the checkout's root, logs its output; (exit status, output, seconds)."""
+        print(f"== {title}: {' '.join(args)}", flush=True)
+        self.write(f"\n== {title}: {' '.join(args)}\n")
+        start = time.perf_counter()
+        try:
+            result = subprocess.run(args, cwd=ROOT, env=dict(os.environ, **(env or {})),
+                                    capture_output=True, text=True, timeout=timeout)
+            status, output = result.returncode, result.stdout + result.stderr
+        except subprocess.TimeoutExpired as error:
+            status = 124
+            output = (f"{error.stdout or ''}{error.stderr or ''}"
+                      if isinstance(error.stdout, str) else "")
+            output += f"\n(killed after {timeout:.0f} s)\n"
+        seconds = time.perf_counter() - start
+        self.write(output + f"\n== {title}: exit status {status} after {seconds:.0f} s\n")
+        print(f"   exit status {status} after {seconds:.0f} s", flush=True)
+        return status, output, seconds
+
+
+def device_family() -> tuple[str, str]:
+    """(family to build, the card's name) from nvidia-smi, without importing jax (which the build
+    may replace)."""
+    out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()[0]
+    name, capability = (part.strip() for part in out.split(","))
+    major = int(capability.split(".")[0])
+    if major not in FAMILIES:
+        raise SystemExit(f"gpu-check: no kernel family for compute capability {capability} ({name})")
+    return FAMILIES[major], name
+
+
+def build(log: Log, family: str) -> tuple[int, float]:
+    isolated = []
+    try:
+        import nanobind  # noqa: F401
+        import scikit_build_core  # noqa: F401
+        isolated = ["--no-build-isolation"]
+    except ImportError:
+        pass
+    env = dict(JAX_SPARSE_MLA_CUDA="ON", JAX_SPARSE_MLA_ARCHS=family,
+               JAX_SPARSE_MLA_NVCC_JOBS=str(max(2, (os.cpu_count() or 2) - 2)))
+    status, _, seconds = log.run("build", [sys.executable, "-m", "pip", "install", "-q",
+                                           "--no-deps", "--force-reinstall", *isolated, "."],
+                                 env=env, timeout=1200)
+    return status, seconds
+
+
+def suite_summary(output: str) -> str:
+    """pytest's last line ('924 passed, 1 failed, ... in 119.48s') and the failed tests' names."""
+    lines = [line.strip("= ") for line in output.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    failed = re.findall(r"^FAILED (\S+)", output, re.MULTILINE)
+    summary = lines[-1] if lines else "no pytest summary (see the log)"
+    return summary + "".join(f"\n      FAILED {name}" for name in failed)
+
+
+def example_run(log: Log, implementation: str) -> dict:
+    """The example at README's shape: wall ms/step as it prints it, device ms/step from its trace."""
+    from timing import read_trace
+
+    trace_dir = tempfile.mkdtemp(prefix="gpu_check_example_")
+    status, output, seconds = log.run(
+        f"example {implementation}",
+        [sys.executable, "-P", "examples/generate.py", *EXAMPLE, "--new-tokens", str(EXAMPLE_STEPS),
+         "--implementation", implementation, "--trace-dir", trace_dir], timeout=900)
+    result = dict(implementation=implementation, status=status, seconds=round(seconds))
+    match = re.search(r"decode: ([\d.]+) ms/step", output)
+    _, kernels = read_trace(trace_dir) if status == 0 else ([], [])
+    if match and kernels:
+        steps = EXAMPLE_STEPS - 1
+        result.update(wall_ms=float(match.group(1)),
+                      device_ms=sum(d for _, d in kernels) / steps / 1e3,
+                      span_ms=(kernels[-1][0] + kernels[-1][1] - kernels[0][0]) / steps / 1e3)
+    return result
+
+
+def rows(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return json.load(f)["rows"]
+
+
+def summary_lines(out: str, card: str, state: dict) -> list[str]:
+    lines = [f"gpu-check on {state['device']} ({card}): {state['minutes']:.1f} min"]
+    for step, info in state["steps"].items():
+        lines.append(f"  {step:10s} exit {info['status']}, {info['seconds']:.0f} s"
+                     + (f": {info['detail']}" if info.get("detail") else ""))
+    indexer = rows(os.path.join(out, f"indexer_{card}.json"))
+    pick = {(r["op"], r["backend"], r["B"], r["context"]): r["us"] for r in indexer}
+    if indexer:
+        lines.append("  indexer (us; auto / pure JAX):")
+        for batch, context in ((1, 131072), (32, 65536), (128, 131072)):
+            cells = []
+            for op in ("logits", "topk", "select"):
+                auto, xla = pick.get((op, "auto", batch, context)), pick.get((op, "xla", batch, context))
+                cells.append(f"{op} {_us(auto)} / {_us(xla)}")
+            lines.append(f"    {batch:3d} x {context:6d}: " + ", ".join(cells))
+    attention = rows(os.path.join(out, f"sm90_{card}.json"))
+    if attention:
+        lines.append("  attention (us; ours / pure JAX):")
+        for r in attention:
+            if r["backend"] in ("native", "native_fp8"):
+                xla = next((x["us"] for x in attention if x["backend"] == "xla" and
+                            (x["T"], x["H"], x["kv_dtype"]) == (r["T"], r["H"], r["kv_dtype"])), None)
+                lines.append(f"    T={r['T']:4d} H={r['H']:3d} {r['kv_dtype']:>10}: "
+                             f"{_us(r['us'])} / {_us(xla)}")
+    examples = {e["implementation"]: e for e in state.get("example", [])}
+    if examples:
+        lines.append("  decode step 32 x 65536, 4 DeepSeek-V3.2 layers (device ms/step; wall):")
+        for name, e in examples.items():
+            if "device_ms" in e:
+                lines.append(f"    {name:6s} {e['device_ms']:.2f} ms ({e['wall_ms']:.2f} wall), "
+                             f"{32 / e['device_ms'] * 1e3:,.0f} tokens/s")
+            else:
+                lines.append(f"    {name:6s} failed (exit {e['status']}; see the log)")
+        if "device_ms" in examples.get("auto", {}) and "device_ms" in examples.get("xla", {}):
+            lines.append(f"    auto / pure JAX: {examples['xla']['device_ms'] / examples['auto']['device_ms']:.2f}x "
+                         "tokens/s")
+    return lines
+
+
+def _us(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--no-build", action="store_true", help="use the installed package")
+    parser.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                        help="pytest-xdist workers for the GPU suite")
+    parser.add_argument("--only", nargs="+", choices=STEPS, help="run only these steps")
+    args = parser.parse_args()
+    start = time.perf_counter()
+    family, device = device_family()
+    from records import card_name
+
+    card = card_name(device)
+    os.makedirs(args.out, exist_ok=True)
+    out = os.path.abspath(args.out)
+    log = Log(os.path.join(out, f"gpu_check_{card}.log"))
+    steps = [s for s in STEPS if (args.only is None or s in args.only)
+             and not (s == "build" and args.no_build)]
+    state = dict(device=device, card=card, family=family, steps={}, example=[])
+    bench_env = dict(PYTHONPATH=HERE)
+    python = [sys.executable, "-P"]
+
+    def record(step: str, status: int, seconds: float, detail: str = "") -> None:
+        state["steps"][step] = dict(status=status, seconds=round(seconds), detail=detail)
+        state["minutes"] = (time.perf_counter() - start) / 60
+        with open(os.path.join(out, f"gpu_check_{card}.json"), "w") as f:
+            json.dump(state, f, indent=1)
+
+    for step in steps:
+        if step == "build":
+            status, seconds = build(log, family)
+            record(step, status, seconds, family)
+            if status:
+                break
+        elif step == "info":
+            status, output, seconds = log.run("info", [*python, "-m", "jax_sparse_mla"])
+            record(step, status, seconds)
+        elif step == "tests":
+            try:
+                import xdist  # noqa: F401
+                workers = ["-n", str(args.workers)] if args.workers > 1 else []
+            except ImportError:
+                workers = []
+            status, output, seconds = log.run(
+                "tests", [*python, "-m", "pytest", "tests/kernels", *workers, "-q",
+                          "-p", "no:cacheprovider", "--durations=15"],
+                env=dict(JAX_SPARSE_MLA_REQUIRE_GPU="1"), timeout=900)
+            record(step, status, seconds, suite_summary(output))
+        elif step == "sm90":
+            status, _, seconds = log.run("sm90", [
+                *python, os.path.join(HERE, "bench_sm90.py"), "--out", out, "--no-torch",
+                "--kv-dtypes", "bf16", "fp8", "fp8_ds_mla", "--tokens", "128", "512",
+                "--heads", "16", "128", "--fp8-tokens", "128", "512", "--fp8-heads", "16", "128"],
+                env=bench_env)
+            record(step, status, seconds)
+        elif step == "indexer":
+            status, _, seconds = log.run("indexer", [
+                *python, os.path.join(HERE, "bench_indexer.py"), "--out", out,
+                "--backends", "native", "auto", "xla", "torch", "--prefill-keys", "65536"],
+                env=bench_env)
+            record(step, status, seconds)
+        elif step == "conversion":
+            status, _, seconds = log.run("conversion", [
+                *python, os.path.join(HERE, "bench_index_conversion.py"), "--out", out],
+                env=bench_env)
+            record(step, status, seconds)
+        elif step == "example":
+            seconds = 0.0
+            for implementation in ("auto", "xla", "native"):
+                result = example_run(log, implementation)
+                state["example"].append(result)
+                seconds += result["seconds"]
+            record(step, max(e["status"] for e in state["example"]), seconds)
+    lines = summary_lines(out, card, state)
+    log.write("\n".join(["", "== summary", *lines, ""]))
+    print("\n" + "\n".join(lines))
+    sys.exit(1 if any(info["status"] for info in state["steps"].values()) else 0)
+
+
+if __name__ == "__main__":
+    main()
