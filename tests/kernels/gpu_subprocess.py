@@ -3,7 +3,9 @@
 A child runs the way a user's script runs: from a temporary folder (not the checkout, whose
 jax_sparse_mla has no compiled extension), importing the installed package, with tests/kernels and
 tests/ on its path for the test modules, and without JAX's preallocation (the parent pytest process
-holds the GPU too).
+holds the GPU too; tests/conftest.py caps what the parent may take). A child that fails or outlives
+its time limit fails the test with its own output (the sanitizer's report), its exit status and the
+device memory the parent process holds.
 """
 
 from __future__ import annotations
@@ -21,12 +23,45 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run_script(args: list[str], *, xla_flags: str, cwd, timeout: int) -> subprocess.CompletedProcess:
+    """Runs the child; a child still running after `timeout` seconds is killed and fails the test
+    with what it printed so far."""
     path = [_HERE, os.path.dirname(_HERE), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_FLAGS=xla_flags,
                PYTHONPATH=os.pathsep.join(p for p in path if p))
-    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)  # the parent's cap is not the child's
+    try:
+        return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"{' '.join(args[:4])} ... still ran after {timeout} s and was killed\n"
+                    + _report(_text(error.stdout), _text(error.stderr)))
 
 
+def _text(output) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
+
+
+def _parent_memory() -> str:
+    """The device memory this (parent) process holds, for failure reports."""
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_in_use" not in stats:
+        return "parent process: no device memory statistics"
+    return (f"parent process: {stats['bytes_in_use'] / 2**30:.2f} GiB in use, "
+            f"{stats.get('bytes_reserved', stats.get('pool_bytes', 0)) / 2**30:.2f} GiB reserved, "
+            f"limit {stats.get('bytes_limit', 0) / 2**30:.2f} GiB")
+
+
+def _report(stdout: str, stderr: str, returncode: int | None = None) -> str:
+    status = "" if returncode is None else f"exit status {returncode}; "
+    return (f"{status}{_parent_memory()}\n--- child stdout (end) ---\n{stdout[-4000:]}\n"
+            f"--- child stderr (end) ---\n{stderr[-4000:]}")
+
+
+# Seconds a sanitizer child may run (JAX_SPARSE_MLA_SANITIZER_TIMEOUT overrides): each passes in
+# under 20 s alone on an H100.
+SANITIZER_TIMEOUT = int(os.environ.get("JAX_SPARSE_MLA_SANITIZER_TIMEOUT", "300"))
 # What each compute-sanitizer tool prints when it found nothing.
 _CLEAN_SUMMARY = {"memcheck": "ERROR SUMMARY: 0 errors",
                   "racecheck": "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"}
@@ -42,8 +77,8 @@ def assert_sanitizer_clean(script: str, tmp_path, tool: str = "memcheck") -> Non
     # No autotuning: under the sanitizer every candidate kernel XLA times would be instrumented too.
     result = run_script([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable,
                          "-c", script], xla_flags="--xla_gpu_autotune_level=0", cwd=tmp_path,
-                        timeout=900)
-    report = result.stdout[-3000:] + result.stderr[-3000:]
+                        timeout=SANITIZER_TIMEOUT)
+    report = _report(result.stdout, result.stderr, result.returncode)
     assert result.returncode == 0, report
     assert "MEMCHECK GRID PASSED" in result.stdout, report
     assert _CLEAN_SUMMARY[tool] in result.stdout + result.stderr, report
@@ -57,7 +92,7 @@ def run_with_command_buffers(script: str, args: list[str], tmp_path) -> subproce
              f"--xla_dump_to={dump} --xla_dump_hlo_as_text")
     result = run_script([sys.executable, "-c", script, str(dump), *args], xla_flags=flags,
                         cwd=tmp_path, timeout=300)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, _report(result.stdout, result.stderr, result.returncode)
     return result
 
 

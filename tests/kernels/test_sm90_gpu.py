@@ -191,6 +191,7 @@ MEMCHECK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sanitizer
 def test_memcheck_clean(tmp_path):
     """The small grid under compute-sanitizer --tool memcheck: every case matches and the sanitizer
     reports 0 errors."""
@@ -208,6 +209,7 @@ RACECHECK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sanitizer
 def test_our_bf16_kernel_racecheck_clean(tmp_path):
     """Our bf16 kernel's shared memory (cp.async fills, wgmma reads, P handed between warpgroups)
     under compute-sanitizer --tool racecheck: 0 hazards."""

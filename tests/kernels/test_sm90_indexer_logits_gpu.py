@@ -342,6 +342,7 @@ MEMCHECK_PAGED = [(3, 2, 64, [0, 1, 130], 192), (4, 1, 32, [64, 65, 3, 256], 256
 MEMCHECK_RAGGED = [(5, 70, 64, "random"), (9, 300, 32, "causal")]
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizer_clean(tool, tmp_path):
     """A small grid under compute-sanitizer (memcheck: out-of-bounds and misaligned accesses;

@@ -286,6 +286,7 @@ MEMCHECK_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizer_clean(tool, tmp_path):
     """A small grid under compute-sanitizer (memcheck: out-of-bounds and misaligned accesses;
