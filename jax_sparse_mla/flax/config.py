@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from . import hf_config
+
 
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
@@ -42,6 +44,16 @@ class MLAConfig:
     mscale_all_dim: float = 1.0
     rms_norm_eps: float = 1e-6
 
+    @classmethod
+    def from_hf_config(cls, config: hf_config.HFConfig) -> "MLAConfig":
+        """The attention layer of a Hugging Face config (a config.json path, its folder, or the parsed
+        dict) of model_type "deepseek_v32" or "glm_moe_dsa": head counts and dims, LoRA ranks, the
+        indexer's fields, RoPE (`rope_theta`, `rope_scaling` / `rope_parameters`: default or YaRN
+        with its factor, original length, betas and mscales) and `rms_norm_eps`. A field the layer
+        cannot run raises a ValueError naming it. Which layers share an indexer:
+        `hf_config.indexer_types(config)`."""
+        return cls(**hf_config.attention_fields(config))
+
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
@@ -56,8 +68,14 @@ class MLAConfig:
         return scale
 
 
+# The published configs' values (tests/flax/test_hf_config.py holds those configs and pins these).
 DEEPSEEK_V32 = MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536)
-GLM5 = MLAConfig(hidden_size=6144, num_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256)
+# GLM-5: 32 indexer heads with interleaved RoPE pairs, plain RoPE with theta 1e6 (no YaRN, so the
+# softmax scale is qk_head_dim**-0.5 = 1/16), and rms_norm_eps 1e-5, which vLLM and SGLang pass to
+# q_a_layernorm and kv_a_layernorm (transformers' glm_moe_dsa builds those two with 1e-6).
+GLM5 = MLAConfig(hidden_size=6144, num_heads=64, q_lora_rank=2048, qk_nope_head_dim=192, v_head_dim=256,
+                 index_n_heads=32, indexer_rope_interleave=True, rope_theta=1e6, rope_factor=1.0,
+                 rms_norm_eps=1e-5)
 # Tiny but structurally identical: the kernels still see 576-wide rows and the indexer ops their
 # 128-wide heads (32 of them, the smallest count they take); top-k 128 (vLLM's K % 128).
 TINY = MLAConfig(hidden_size=256, num_heads=4, q_lora_rank=128, qk_nope_head_dim=32, v_head_dim=32,
