@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.flax import PRESETS, LayerCache, MLAConfig, MLASparseAttention, empty_layer_cache
+from jax_sparse_mla.flax import hf_config
 from jax_sparse_mla.flax.layers import INDEXER_OPS
 from jax_sparse_mla.kernels.registry import IMPLEMENTATIONS, registered_op_kernels
 from jax_sparse_mla.ops.kv_cache import dequantize_ds_mla_rows
@@ -80,18 +81,20 @@ def describe_indexer_implementations(flag: str) -> str:
 
 class DecoderBlock(nnx.Module):
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, kv_cache_dtype: str, implementation: str,
-                 indexer_implementation: Mapping[str, str] | str):
+                 indexer_implementation: Mapping[str, str] | str, shared_indexer: bool = False):
         d = config.hidden_size
         norm = lambda: nnx.RMSNorm(d, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
         self.attn_norm, self.mlp_norm = norm(), norm()
         self.attn = MLASparseAttention(config, rngs=rngs, kv_cache_dtype=kv_cache_dtype,
                                        implementation=implementation,
-                                       indexer_implementation=indexer_implementation)
+                                       indexer_implementation=indexer_implementation,
+                                       shared_indexer=shared_indexer)
         self.mlp_in = nnx.Linear(d, d, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
         self.mlp_out = nnx.Linear(d, d, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=rngs)
 
-    def __call__(self, x, positions, cache, metadata):
-        attn_out, cache, topk = self.attn(self.attn_norm(x), positions, cache, metadata)
+    def __call__(self, x, positions, cache, metadata, topk=None):
+        """topk: the previous full layer's selection, for a block whose attention shares it."""
+        attn_out, cache, topk = self.attn(self.attn_norm(x), positions, cache, metadata, topk)
         x = x + attn_out
         return x + self.mlp_out(jax.nn.silu(self.mlp_in(self.mlp_norm(x)))), cache, topk
 
@@ -99,26 +102,35 @@ class DecoderBlock(nnx.Module):
 class Decoder(nnx.Module):
     def __init__(self, config: MLAConfig, num_layers: int, vocab_size: int, *, rngs: nnx.Rngs,
                  kv_cache_dtype: str = "auto", implementation: str = "auto",
-                 indexer_implementation: Mapping[str, str] | str | None = None):
+                 indexer_implementation: Mapping[str, str] | str | None = None,
+                 indexer_types: tuple[str, ...] | None = None):
         """implementation: the sparse attention's; indexer_implementation: the indexer ops' (None:
-        indexer_implementations(implementation))."""
+        indexer_implementations(implementation)); indexer_types: "full" or "shared" per layer
+        (None: all full), as hf_config.indexer_types gives them."""
         if indexer_implementation is None:
             indexer_implementation = indexer_implementations(implementation)
         self.embed = nnx.Embed(vocab_size, config.hidden_size, dtype=jnp.bfloat16,
                                param_dtype=jnp.bfloat16, rngs=rngs)
+        indexer_types = indexer_types or ("full",) * num_layers
+        if len(indexer_types) != num_layers or indexer_types[0] != "full":
+            raise ValueError(f"indexer_types must give {num_layers} layers, the first 'full': "
+                             f"{indexer_types!r}")
         self.blocks = nnx.List([DecoderBlock(config, rngs=rngs, kv_cache_dtype=kv_cache_dtype,
                                              implementation=implementation,
-                                             indexer_implementation=indexer_implementation)
-                                for _ in range(num_layers)])
+                                             indexer_implementation=indexer_implementation,
+                                             shared_indexer=kind == "shared")
+                                for kind in indexer_types])
         self.final_norm = nnx.RMSNorm(config.hidden_size, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
                                       rngs=rngs)
 
     def __call__(self, tokens, positions, caches, metadata):
         """tokens, positions [T] int32 -> (logits [T, vocab] f32, new caches, top-k per layer)."""
         x = self.embed(tokens)
-        new_caches, topks = [], []
+        new_caches, topks, topk = [], [], None
         for block, cache in zip(self.blocks, caches):
-            x, cache, topk = block(x, positions, cache, metadata)
+            # A shared layer takes the selection of the full layer before it.
+            x, cache, topk = block(x, positions, cache, metadata,
+                                   topk if block.attn.indexer is None else None)
             new_caches.append(cache)
             topks.append(topk)
         logits = self.embed.attend(self.final_norm(x)).astype(jnp.float32)
@@ -217,6 +229,9 @@ def fill_context(caches, layout: PagedLayout, config: MLAConfig, context: int, s
         kv_c = jax.random.normal(key_c, (n, config.kv_lora_rank), jnp.bfloat16)
         k_pe = jax.random.normal(key_pe, (n, config.qk_rope_head_dim), jnp.bfloat16)
         kv_cache = jsm.concat_and_cache_mla(kv_c, k_pe, cache.kv_cache, slots, kv_cache_dtype=kv_cache_dtype)
+        if cache.index_cache is None:  # a layer that shares the previous layer's indexer
+            filled.append(LayerCache(kv_cache, None))
+            continue
         index_keys = jax.random.normal(key_idx, (n, config.index_head_dim), jnp.bfloat16)
         filled.append(LayerCache(kv_cache, jsm.indexer_k_quant_and_cache(index_keys, cache.index_cache, slots)))
     return tuple(filled)
@@ -226,6 +241,12 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (tiny: 2, large: 4)")
+    parser.add_argument("--index-topk-freq", type=int, default=1,
+                        help="GLM-5.2's shared-indexer pattern: layer i runs its own indexer iff "
+                             "max(i - offset + 1, 0) %% freq == 0, the others reuse the previous "
+                             "full layer's top-k (1: every layer runs its indexer)")
+    parser.add_argument("--index-skip-topk-offset", type=int, default=2,
+                        help="the pattern's offset (see --index-topk-freq)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=8192,
                         help="large presets: cached positions per request before decoding")
@@ -260,18 +281,22 @@ def main(argv=None) -> dict:
     traced_steps = args.new_tokens - 1 if args.trace_dir else 0
     max_len = int(prompt_lens.max()) + args.new_tokens + traced_steps + 1
     layout = PagedLayout(args.batch, -(-max_len // BLOCK_SIZE))
+    indexer_types = hf_config.indexer_types(dict(
+        num_hidden_layers=num_layers, index_topk_freq=args.index_topk_freq,
+        index_skip_topk_offset=args.index_skip_topk_offset))
     print(f"{args.preset}: {num_layers} layers, {config.num_heads} heads, top-k {config.index_topk}, "
           f"batch {args.batch}, device {jax.devices()[0].device_kind}, kv cache {args.kv_cache_dtype}, "
-          f"implementation {args.implementation}")
+          f"implementation {args.implementation}, indexers {''.join(t[0].upper() for t in indexer_types)} "
+          "(F: own, S: shared)")
     indexer_implementation = indexer_implementations(args.implementation)
     print(describe_indexer_implementations(args.implementation))
 
     model = Decoder(config, num_layers, args.vocab, rngs=nnx.Rngs(args.seed),
                     kv_cache_dtype=args.kv_cache_dtype, implementation=args.implementation,
-                    indexer_implementation=indexer_implementation)
+                    indexer_implementation=indexer_implementation, indexer_types=indexer_types)
     graphdef, state = nnx.split(model)
-    caches = tuple(empty_layer_cache(config, layout.num_blocks, BLOCK_SIZE, args.kv_cache_dtype)
-                   for _ in range(num_layers))
+    caches = tuple(empty_layer_cache(config, layout.num_blocks, BLOCK_SIZE, args.kv_cache_dtype,
+                                     shared_indexer=kind == "shared") for kind in indexer_types)
 
     if tiny:
         req_ids = jnp.asarray(np.repeat(np.arange(args.batch), prompt_lens), jnp.int32)

@@ -84,23 +84,26 @@ class LayerCache(NamedTuple):
     kv_cache: the latent rows cat(kv_c, k_pe): [num_blocks, block_size, 576] bf16 or float8_e4m3fn
       (per-tensor scale), or uint8 [num_blocks, block_size, 656] for fp8_ds_mla.
     index_cache: the indexer's fp8 keys, uint8 [num_blocks, block_size, 132] in vLLM's byte layout
-      (ops/indexer_cache.py).
+      (ops/indexer_cache.py); None for a layer that shares the indexer of the layer before it.
     """
 
     kv_cache: jax.Array
-    index_cache: jax.Array
+    index_cache: jax.Array | None
 
 
 def empty_layer_cache(config: MLAConfig, num_blocks: int, block_size: int,
-                      kv_cache_dtype: str = "auto") -> LayerCache:
-    """Zeroed caches; kv_cache_dtype "auto" / "bfloat16", "fp8" / "fp8_e4m3" or "fp8_ds_mla"."""
+                      kv_cache_dtype: str = "auto", *, shared_indexer: bool = False) -> LayerCache:
+    """Zeroed caches; kv_cache_dtype "auto" / "bfloat16", "fp8" / "fp8_e4m3" or "fp8_ds_mla".
+    shared_indexer: the layer reuses the previous layer's top-k and keeps no index cache (None)."""
     width = config.kv_lora_rank + config.qk_rope_head_dim
     if kv_cache_dtype == "fp8_ds_mla":
         kv_cache = jnp.zeros((num_blocks, block_size, DS_MLA_ROW_BYTES), jnp.uint8)
     else:
         kv_dtype = jnp.float8_e4m3fn if kv_cache_dtype in FP8_PER_TENSOR_DTYPES else jnp.bfloat16
         kv_cache = jnp.zeros((num_blocks, block_size, width), kv_dtype)
-    return LayerCache(kv_cache, jnp.zeros((num_blocks, block_size, INDEXER_CACHE_ROW_BYTES), jnp.uint8))
+    index_cache = None if shared_indexer else jnp.zeros(
+        (num_blocks, block_size, INDEXER_CACHE_ROW_BYTES), jnp.uint8)
+    return LayerCache(kv_cache, index_cache)
 
 
 def _linear(in_features: int, out_features: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
@@ -290,15 +293,24 @@ class MLASparseAttention(nnx.Module):
     (indexer_k_quant_and_cache and cp_gather_indexer_k_quant_cache have none anywhere), e.g.
     indexer_implementation={"fp8_paged_mqa_logits": "native", "top_k_per_row_decode": "native",
     "fp8_mqa_logits": "native", "top_k_per_row": "native"}. Bad values raise at construction.
+
+    shared_indexer=True builds a layer without an indexer (no indexer weights, no index cache:
+    empty_layer_cache(..., shared_indexer=True)) that attends over the top-k of the previous full
+    layer, passed to __call__: GLM-5.2's "shared" layers (hf_config.indexer_types). At long context
+    an indexer layer's select costs more than its sparse attention (docs/benchmarks.md), so such
+    layers decode faster.
     """
 
     def __init__(self, config: MLAConfig, *, rngs: nnx.Rngs, dtype=jnp.bfloat16,
                  kv_cache_dtype: str = "auto", q_scale: float = 1.0, k_scale: float = 1.0,
                  implementation: str = "auto",
-                 indexer_implementation: IndexerImplementation = "auto") -> None:
+                 indexer_implementation: IndexerImplementation = "auto",
+                 shared_indexer: bool = False) -> None:
         # Resolved here too so that an error names this layer's parameter, not the Indexer's.
         indexer_implementation = dict(indexer_op_implementations(
             indexer_implementation, argument="indexer_implementation"))
+        if not isinstance(shared_indexer, bool):
+            raise TypeError(f"shared_indexer must be a bool, got {shared_indexer!r}.")
         c = config
         self.config = config
         self.kv_cache_dtype = kv_cache_dtype
@@ -312,7 +324,8 @@ class MLASparseAttention(nnx.Module):
                                    param_dtype=dtype, rngs=rngs)
         self.wkv_b = _linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), rngs, dtype)
         self.wo = _linear(c.num_heads * c.v_head_dim, c.hidden_size, rngs, dtype)
-        self.indexer = Indexer(c, rngs=rngs, dtype=dtype, implementation=indexer_implementation)
+        self.indexer = None if shared_indexer else Indexer(c, rngs=rngs, dtype=dtype,
+                                                             implementation=indexer_implementation)
         self.impl = FlashInferMLASparseImpl(
             c.num_heads, c.kv_lora_rank + c.qk_rope_head_dim, c.softmax_scale, 1, None, None,
             kv_cache_dtype, None, "decoder", None, kv_lora_rank=c.kv_lora_rank,
@@ -341,18 +354,31 @@ class MLASparseAttention(nnx.Module):
         return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: LayerCache,
-                 metadata: FlashInferMLASparseMetadata) -> tuple[jax.Array, LayerCache, jax.Array]:
+                 metadata: FlashInferMLASparseMetadata,
+                 topk_indices: jax.Array | None = None) -> tuple[jax.Array, LayerCache, jax.Array]:
         """x [T, D], positions [T] int32 -> (y [T, D], the updated cache, topk_indices [T, index_topk]).
 
-        This step's tokens are written to the caches first, so a token can select itself.
+        This step's tokens are written to the caches first, so a token can select itself. A layer
+        built with shared_indexer=True runs no indexer and attends over `topk_indices` [T,
+        index_topk] int32, the selection the previous full layer returned (GLM-5.2's shared layers),
+        and returns it unchanged; a full layer computes its own and takes none.
         """
         c = self.config
+        if self.indexer is None and topk_indices is None:
+            raise ValueError("this layer shares the indexer of the layer before it "
+                             "(shared_indexer=True): pass that layer's topk_indices.")
+        if self.indexer is not None and topk_indices is not None:
+            raise ValueError("this layer runs its own indexer: topk_indices must be None (build it "
+                             "with shared_indexer=True to reuse another layer's selection).")
         q_nope, q_pe, q_a = self.project_query(x, positions)
         kv_c, k_pe = self.project_latent_kv(x, positions)
         kv_cache = concat_and_cache_mla(kv_c, k_pe, cache.kv_cache, metadata.slot_mapping,
                                         kv_cache_dtype=self.kv_cache_dtype,
                                         k_scale=self.scales._k_scale_float)
-        topk_indices, index_cache = self.indexer(x, q_a, positions, cache.index_cache, metadata)
+        if self.indexer is None:
+            index_cache = cache.index_cache
+        else:
+            topk_indices, index_cache = self.indexer(x, q_a, positions, cache.index_cache, metadata)
         w_uk, w_uv = self.absorbed_weights()
         ql_nope = jnp.einsum("thp,lhp->thl", q_nope, w_uk, preferred_element_type=jnp.float32)
         mqa_q = jnp.concatenate([ql_nope, q_pe.astype(jnp.float32)], -1).astype(jnp.bfloat16)

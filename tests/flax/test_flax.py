@@ -112,3 +112,47 @@ def test_mla_rope_is_interleaved(layer):
                                TINY.beta_fast, TINY.beta_slow)
     expected = rope_np(raw, np.asarray(positions), freq, interleaved=True)
     np.testing.assert_allclose(np.asarray(k_pe, np.float32), expected, atol=3e-2 * np.abs(expected).max())
+
+
+def test_shared_indexer_layer_attends_over_the_given_selection(layer):
+    """A shared layer with the full layer's attention weights, fed the full layer's top-k, gives the
+    full layer's output; it has no indexer and keeps no index cache."""
+    shared = MLASparseAttention(TINY, rngs=nnx.Rngs(0), implementation="xla", shared_indexer=True)
+    assert shared.indexer is None
+    for name in ("wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wkv_b", "wo"):
+        nnx.update(getattr(shared, name), nnx.state(getattr(layer, name)))
+    num_tokens = 300  # more than top-k 128: the selection matters
+    x, positions, y_full, cache_full, topk, slots = prefill_one_request(layer, num_tokens, seed=3)
+    width = -(-num_tokens // BLOCK_SIZE)
+    cache = empty_layer_cache(TINY, width + 1, BLOCK_SIZE, shared_indexer=True)
+    assert cache.index_cache is None
+    common = jsm.CommonAttentionMetadata(
+        jnp.asarray([0, num_tokens], jnp.int32), jnp.asarray([num_tokens], jnp.int32),
+        jnp.asarray(np.arange(1, width + 1, dtype=np.int32)[None]), jnp.asarray(slots, jnp.int32), 1,
+        num_tokens, num_tokens, num_tokens)
+    metadata = jsm.FlashInferMLASparseMetadataBuilder(
+        num_heads=TINY.num_heads, block_size=BLOCK_SIZE, topk_tokens=TINY.index_topk).build(common)
+    y, new_cache, topk_out = jax.jit(lambda *a: shared(*a))(x, positions, cache, metadata,
+                                                          jnp.asarray(topk))
+    assert new_cache.index_cache is None
+    np.testing.assert_array_equal(np.asarray(topk_out), topk)
+    np.testing.assert_array_equal(np.asarray(new_cache.kv_cache), np.asarray(cache_full.kv_cache))
+    np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(y_full, np.float32))
+    # And against dense attention over that selection, independently of the full layer.
+    selection = [row[row >= 0] for row in topk]
+    expected = dense_mla_numpy(shared, x, positions, new_cache, slots, selection)
+    assert relative_error(y, expected) < 2e-2
+
+
+def test_shared_indexer_layer_needs_a_selection_and_a_full_one_refuses_one(layer):
+    shared = MLASparseAttention(TINY, rngs=nnx.Rngs(0), implementation="xla", shared_indexer=True)
+    x = jnp.zeros((4, TINY.hidden_size), jnp.bfloat16)
+    positions = jnp.arange(4, dtype=jnp.int32)
+    cache = empty_layer_cache(TINY, 2, BLOCK_SIZE, shared_indexer=True)
+    with pytest.raises(ValueError, match="pass that layer's topk_indices"):
+        shared(x, positions, cache, None)
+    with pytest.raises(ValueError, match="topk_indices must be None"):
+        layer(x, positions, empty_layer_cache(TINY, 2, BLOCK_SIZE), None,
+              jnp.zeros((4, TINY.index_topk), jnp.int32))
+    with pytest.raises(TypeError, match="shared_indexer"):
+        MLASparseAttention(TINY, rngs=nnx.Rngs(0), shared_indexer="yes")

@@ -168,3 +168,17 @@ def test_each_call_site_passes_its_own_ops_implementation(op):
         other = step("decode" if calls == "prefill" else "prefill")
         topk, _ = jax.eval_shape(lambda *args: indexer(*args), *other)
         assert topk.shape == (other[0].shape[0], TINY.index_topk)
+
+
+def test_example_decoder_with_shared_indexer_layers(example):
+    """--index-topk-freq 2 --index-skip-topk-offset 1 over 3 layers: layers 0 and 2 run their
+    indexers, layer 1 attends over layer 0's selection; the example's own check passes."""
+    result = example.main(["--layers", "3", "--batch", "2", "--new-tokens", "2", "--check-tokens", "2",
+                           "--index-topk-freq", "2", "--index-skip-topk-offset", "1",
+                           "--implementation", "xla"])
+    assert result["layers"] == 3 and result["check_error"] < 2e-2
+    model = example.Decoder(TINY, 3, 16, rngs=nnx.Rngs(0), implementation="xla",
+                            indexer_types=("full", "shared", "full"))
+    assert [b.attn.indexer is None for b in model.blocks] == [False, True, False]
+    with pytest.raises(ValueError, match="the first 'full'"):
+        example.Decoder(TINY, 2, 16, rngs=nnx.Rngs(0), indexer_types=("shared", "full"))
