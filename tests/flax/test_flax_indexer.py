@@ -20,7 +20,7 @@ WIDTH = 5  # blocks per request: 320 positions
 SEQ_LENS = (300, 211)  # both longer than index_topk = 128
 
 
-def batch_metadata(seq_lens, query_lens):
+def batch_metadata(seq_lens, query_lens, config=TINY):
     """Metadata of one step in which request r brings its last query_lens[r] tokens (the rest of its
     seq_lens[r] tokens are in the cache already). Request r owns blocks 1 + r * WIDTH, ...; returns
     (metadata, positions [T], slots [T] of this step's tokens, block_table)."""
@@ -35,7 +35,7 @@ def batch_metadata(seq_lens, query_lens):
         num_reqs, int(qsl[-1]), int(max(query_lens)), int(max(seq_lens)), tuple(qsl.tolist()),
         tuple(int(s) for s in seq_lens))
     metadata = jsm.FlashInferMLASparseMetadataBuilder(
-        num_heads=TINY.num_heads, block_size=BLOCK_SIZE, topk_tokens=TINY.index_topk).build(common)
+        num_heads=config.num_heads, block_size=BLOCK_SIZE, topk_tokens=config.index_topk).build(common)
     return metadata, jnp.asarray(positions), slots, table
 
 
