@@ -1,12 +1,15 @@
 """MLAConfig.from_hf_config and the presets against the models' published config.json files.
 
-The two configs below are the published files' attention-relevant fields, as released on the Hugging
-Face hub (deepseek-ai/DeepSeek-V3.2-Exp, zai-org/GLM-5), with the MoE and token fields they also
-carry; a test of the reader must not depend on the network.
+DeepSeek-V3.2-Exp's and GLM-5's configs below are the published files' fields (deepseek-ai/
+DeepSeek-V3.2-Exp, zai-org/GLM-5 on the Hugging Face hub); GLM-5.1 ships GLM-5's architecture and
+config fields with new weights. GLM-5.2's holds the fields that differ from GLM-5's as serving stacks
+quote its published config (rope theta 8e6, a 1M-token context, the shared-indexer schedule). A test
+of the reader must not depend on the network.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -54,6 +57,14 @@ GLM5_CONFIG = {
 }
 
 
+GLM52_INDEXER_TYPES = ["full" if i < 3 or (i - 2) % 4 == 0 else "shared" for i in range(78)]
+GLM52_CONFIG = dict(
+    GLM5_CONFIG, max_position_embeddings=1048576,
+    rope_parameters={"rope_theta": 8000000, "rope_type": "default"},
+    index_topk_freq=4, index_skip_topk_offset=3, indexer_types=GLM52_INDEXER_TYPES,
+    index_share_for_mtp_iteration=True, mlp_layer_types=["dense"] * 3 + ["sparse"] * 75)
+
+
 def test_deepseek_v32_config_is_the_preset():
     config = MLAConfig.from_hf_config(DEEPSEEK_V32_EXP_CONFIG)
     assert config == DEEPSEEK_V32
@@ -72,6 +83,18 @@ def test_glm5_config_is_the_preset():
     assert config.rope_theta == 1e6 and config.rope_factor == 1.0
     assert config.softmax_scale == 1 / 16
     assert config.rms_norm_eps == 1e-5
+
+
+def test_glm52_config():
+    """GLM-5's attention with theta 8e6, and 21 of 78 layers running their own indexer: the explicit
+    list and the frequency / offset rule agree."""
+    config = MLAConfig.from_hf_config(GLM52_CONFIG)
+    assert config == dataclasses.replace(GLM5, rope_theta=8e6)
+    types = hf_config.indexer_types(GLM52_CONFIG)
+    assert types == tuple(GLM52_INDEXER_TYPES) and types.count("full") == 21
+    by_rule = dict(GLM52_CONFIG)
+    del by_rule["indexer_types"]
+    assert hf_config.indexer_types(by_rule) == types
 
 
 def test_reads_a_config_file_or_its_folder(tmp_path):
