@@ -28,12 +28,16 @@ FP8_PER_TENSOR_DTYPES = ("fp8", "fp8_e4m3")
 
 
 def as_array(name: str, value) -> jnp.ndarray:
-    """Returns `value` as an array, with a clear error for things that are not arrays."""
-    if isinstance(value, (list, tuple)) or value is None:
-        raise TypeError(f"{name} must be an array, got {type(value).__name__}.")
+    """Returns `value` as an array, with a clear error for things that are not arrays (None, lists,
+    tuples, strings, Python scalars: a scalar where an array belongs is a mistake, not a 0-d array)."""
     if not hasattr(value, "dtype") or not hasattr(value, "shape"):
-        value = np.asarray(value)
+        raise TypeError(f"{name} must be an array, got {type(value).__name__}: {_short(value)}.")
     return value
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_rank(name: str, array, ranks: int | Iterable[int]) -> None:
@@ -76,20 +80,61 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
         )
 
 
+def check_int(name: str, value, *, minimum: int | None = None) -> int:
+    """`value` as a Python int: an int or NumPy integer (never a bool, float or string), at least
+    `minimum` when given."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {_short(value)}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value!r}.")
+    return int(value)
+
+
 def check_positive_int(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value!r}.")
     return int(value)
 
 
+def check_bool(name: str, value) -> bool:
+    """A flag must be a bool (True / False, or a NumPy bool): "False" or 0 are mistakes."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}: {_short(value)}.")
+    return bool(value)
+
+
+def check_number(name: str, value) -> float:
+    """A static real number, returned as a float: a Python or NumPy int or float, or a concrete 0-d
+    array of a real dtype; never a bool, a string or a traced value (the ops fold these into their
+    kernels at trace time)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a Python float, got a bool: {value!r}.")
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return float(value)
+    dtype = getattr(value, "dtype", None)
+    if (getattr(value, "shape", None) == () and dtype is not None
+            and (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer))):
+        concrete = host_values(value)
+        if concrete is None:
+            raise TypeError(f"{name} must be a static Python float, got a traced array: it is "
+                            "folded into the kernel at trace time.")
+        return float(concrete)
+    raise TypeError(f"{name} must be a Python float, got {type(value).__name__}: {_short(value)}.")
+
+
 def check_finite_positive_float(name: str, value) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a Python float, got {type(value).__name__}.") from None
+    value = check_number(name, value)
     if not np.isfinite(value) or value <= 0.0:
         raise ValueError(f"{name} must be a finite positive float, got {value!r}.")
     return value
+
+
+def check_nonempty_axes(name: str, array, axes: dict[int, str]) -> None:
+    """Each axis of `array` named in `axes` ({axis: what it counts}) must not be zero-sized."""
+    for axis, what in axes.items():
+        if array.shape[axis] == 0:
+            raise ValueError(f"{name} must have at least one {what} (axis {axis}), got shape "
+                             f"{tuple(array.shape)}.")
 
 
 def is_fp8_e4m3(dtype) -> bool:
