@@ -82,12 +82,8 @@ def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
 
 def check_int(name: str, value, *, minimum: int | None = None) -> int:
     """`value` as a Python int: an int or NumPy integer (never a bool, float or string), at least
-    `minimum` when given."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}: {_short(value)}.")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value!r}.")
-    return int(value)
+    `minimum` when given (check_static_size's rules, without its int32 bound)."""
+    return check_static_size(name, value, minimum=minimum, maximum=None)
 
 
 def check_positive_int(name: str, value) -> int:
@@ -163,3 +159,64 @@ def host_values(array) -> np.ndarray | None:
         return np.asarray(array)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
         return None
+
+
+def check_str_option(name: str, value, options: Iterable[str]) -> str:
+    """`value` must be a str among `options` (TypeError for a non-string, ValueError for another str)."""
+    options = tuple(options)
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be a str, one of {options}; got {type(value).__name__}: "
+                        f"{_short(value)}.")
+    if value not in options:
+        raise ValueError(f"{name} must be one of {options}, got {value!r}.")
+    return value
+
+
+def check_min_rank(name: str, array, minimum: int) -> None:
+    """array.ndim must be at least `minimum` (for arguments of shape [..., D])."""
+    if array.ndim < minimum:
+        raise ValueError(f"{name} must have rank at least {minimum}, got shape {tuple(array.shape)}.")
+
+
+INT32_MAX = 2**31 - 1
+
+
+class StaticSizeTypeError(TypeError, ValueError):
+    """A static size or count of the wrong type (a bool, float, string, array, None): a TypeError, and
+    also a ValueError, which check_positive_int has always raised for such values."""
+
+
+def check_static_size(name: str, value, *, minimum: int | None = 1,
+                      maximum: int | None = INT32_MAX) -> int:
+    """A static size (a shape, a count, k): a Python or NumPy int, never a bool, float or string
+    (StaticSizeTypeError), within [minimum, maximum] (ValueError; None: unbounded). Returned as a
+    Python int."""
+    what = ("an int" if minimum is None else "a positive int" if minimum == 1
+            else f"an int of at least {minimum}")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise StaticSizeTypeError(f"{name} must be {what} (not a bool, float or string), got "
+                                  f"{type(value).__name__}: {_short(value)}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be {what}, got {int(value)!r}.")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be at most {maximum}, got {int(value)!r}.")
+    return int(value)
+
+
+def check_per_tensor_scales(q_dtype, kv_cache_dtype: str, cache_dtype, q_scale, k_scale
+                            ) -> tuple[float, float]:
+    """The per-tensor fp8 scales of a sparse-MLA decode, checked as sparse_mla_decode checks them:
+    finite positive floats; q_scale != 1 only for a float8_e4m3fn query, k_scale != 1 only for a
+    per-tensor fp8 cache (kv_cache_dtype "fp8" / "fp8_e4m3", or "auto" over a float8_e4m3fn cache).
+    Shared by the ops that take the scales as arguments and pass them on (sharded decode)."""
+    q_scale = check_finite_positive_float("q_scale", q_scale)
+    k_scale = check_finite_positive_float("k_scale", k_scale)
+    fp8_cache = kv_cache_dtype in FP8_PER_TENSOR_DTYPES or (
+        kv_cache_dtype == "auto" and is_fp8_e4m3(cache_dtype))
+    if q_scale != 1.0 and not is_fp8_e4m3(q_dtype):
+        raise ValueError(f"q_scale={q_scale} applies only to a float8_e4m3fn query; q is "
+                         f"{jnp.dtype(q_dtype).name}.")
+    if k_scale != 1.0 and not fp8_cache:
+        raise ValueError(f"k_scale={k_scale} applies only to an fp8 / fp8_e4m3 cache; this cache is "
+                         f"{kv_cache_dtype!r} over {jnp.dtype(cache_dtype).name}.")
+    return q_scale, k_scale

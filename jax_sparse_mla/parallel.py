@@ -69,10 +69,26 @@ def make_decode_mesh(tp: int = 1, dcp: int = 1, *, devices: Sequence[jax.Device]
     dcp is the minor axis: the DCP group of tp index t is devices [t * dcp, (t + 1) * dcp), consecutive
     devices as in vLLM. Both axes are `AxisType.Auto`, so jitted code may pass arrays of any sharding
     (they are resharded to the specs below on entry).
+
+    devices: a sequence (list, tuple, array) of distinct jax.Device; a string, a non-device entry
+    (TypeError) or a device listed twice (ValueError) names `devices`.
     """
     tp = v.check_positive_int("tp", tp)
     dcp = v.check_positive_int("dcp", dcp)
-    devices = list(jax.devices() if devices is None else devices)
+    if devices is None:
+        devices = jax.devices()
+    elif isinstance(devices, (str, bytes)) or not hasattr(devices, "__iter__"):
+        raise TypeError(f"devices must be a sequence of jax.Device, got {type(devices).__name__}: "
+                        f"{v._short(devices)}.")
+    devices = list(np.asarray(devices, dtype=object).ravel()) if isinstance(devices, np.ndarray) \
+        else list(devices)
+    for d in devices:
+        if not isinstance(d, jax.Device):
+            raise TypeError(f"devices must hold jax.Device entries, got {type(d).__name__}: "
+                            f"{v._short(d)}.")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices must be distinct; {len(devices) - len(set(devices))} "
+                         "device(s) appear more than once.")
     if len(devices) < tp * dcp:
         raise ValueError(
             f"a tp={tp} x dcp={dcp} mesh needs {tp * dcp} devices; only {len(devices)} are available."
@@ -143,6 +159,10 @@ def dcp_slot_mapping(
       owned by this rank (`((p % (BS*N)) // I) % N == rank`), else -1 (vLLM's PAD_SLOT_ID, which
       `concat_and_cache_mla` skips). Also -1 for p < 0 and for vb >= W. Shape [T], or [N, T] for
       dcp_rank=None.
+
+    Errors: R = 0 or W = 0 in block_table is a ValueError naming block_table (T = 0 gives an empty
+    result). A dcp_rank outside [0, N) is a ValueError when it is an int or concrete; a traced one
+    (under jit) owns no token: every slot is -1, and block_table is only read at clamped indices.
     """
     req = v.int32_array("req_id_per_token", req_id_per_token, 1)
     pos = v.int32_array("positions", positions, 1)
@@ -164,9 +184,11 @@ def dcp_slot_mapping(
             raise ValueError(
                 f"with dcp_rank=None block_table must be [N={n}, R, W], got {tuple(table.shape)}."
             )
+        v.check_nonempty_axes("block_table", table, {1: "request (R)", 2: "block (W)"})
         ranks = jnp.arange(n, dtype=jnp.int32)
         return jax.vmap(lambda t, r: _slots(req, pos, t, r, bs, n, i))(table, ranks)
     v.check_rank("block_table", table, 2)
+    v.check_nonempty_axes("block_table", table, {0: "request (R)", 1: "block (W)"})
     rank = _check_rank_value("dcp_rank", dcp_rank, n)
     return _slots(req, pos, table, jnp.asarray(rank, jnp.int32), bs, n, i)
 
@@ -278,6 +300,11 @@ def sharded_sparse_mla_decode(
       single-device result over the unsharded cache up to the rounding of the partial sums; with
       return_lse also lse [T, H] float32 (same sharding). Rows with no valid key anywhere: out 0,
       lse -inf.
+
+    Every argument is checked before use (TypeError / ValueError naming it): q_scale / k_scale as
+    sparse_mla_decode checks them (v.check_per_tensor_scales: k_scale != 1 with a 16-bit cache is a
+    ValueError, never ignored); zero-sized axes (H, num_blocks, block_size, R, W, K) are
+    ValueErrors; T = 0 is allowed (empty result).
     """
     tp, n = _check_mesh(mesh)
     q = v.as_array("q", q)
@@ -293,6 +320,18 @@ def sharded_sparse_mla_decode(
     v.check_int32("block_table_shards", tables)
     v.check_int32("topk_indices", topk)
     v.check_int32("req_id_per_token", req)
+    v.check_last_dim("q", q, v.MLA_HEAD_DIM)
+    v.check_nonempty_axes("q", q, {1: "head (H)"})
+    v.check_nonempty_axes("kv_cache_shards", kv_cache_shards, {1: "block", 2: "row per block"})
+    v.check_nonempty_axes("block_table_shards", tables, {1: "request (R)", 2: "block (W)"})
+    v.check_nonempty_axes("topk_indices", topk, {1: "index per token (K)"})
+    v.check_kv_cache_dtype(kv_cache_dtype)
+    q_scale, k_scale = v.check_per_tensor_scales(q.dtype, kv_cache_dtype, kv_cache_shards.dtype,
+                                                 q_scale, k_scale)
+    scale = v.check_finite_positive_float("scale", scale)
+    return_lse = v.check_bool("return_lse", return_lse)
+    if kv_cache_dtype == "auto" and v.is_fp8_e4m3(kv_cache_shards.dtype):
+        kv_cache_dtype = "fp8"  # so that forward_mqa applies k_scale, as sparse_mla_decode does
     num_tokens, heads = q.shape[:2]
     if heads % (tp * n):
         raise ValueError(

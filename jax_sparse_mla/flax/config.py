@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .. import _validation as _v
 from . import hf_config
 
 
@@ -43,6 +44,23 @@ class MLAConfig:
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
     rms_norm_eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        """Checks every field (TypeError / ValueError naming it): the sizes positive ints (no bools,
+        floats or strings), the flags bools, rope_theta, rope_factor and rms_norm_eps finite positive
+        numbers, beta_fast / beta_slow / mscale / mscale_all_dim finite numbers >= 0."""
+        for name in ("hidden_size", "num_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                     "qk_rope_head_dim", "v_head_dim", "index_topk", "index_n_heads",
+                     "index_head_dim", "original_max_position_embeddings"):
+            _v.check_int(name, getattr(self, name), minimum=1)
+        for name in ("indexer_rope_interleave", "index_hadamard"):
+            _v.check_bool(name, getattr(self, name))
+        for name in ("rope_theta", "rope_factor", "rms_norm_eps"):
+            _v.check_finite_positive_float(name, getattr(self, name))
+        for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            value = _v.check_number(name, getattr(self, name))
+            if not math.isfinite(value) or value < 0.0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}.")
 
     @classmethod
     def from_hf_config(cls, config: hf_config.HFConfig) -> "MLAConfig":

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from .. import _validation as _v
 from .._validation import (DS_MLA_ROW_BYTES, FP8_PER_TENSOR_DTYPES, INDEXER_CACHE_ROW_BYTES,
                            INDEXER_HEAD_DIM, INDEXER_NUM_HEADS)
 from ..backend import FlashInferMLASparseImpl, LayerScales
@@ -106,6 +107,67 @@ def empty_layer_cache(config: MLAConfig, num_blocks: int, block_size: int,
     return LayerCache(kv_cache, index_cache)
 
 
+_ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+
+
+def _check_config(config) -> None:
+    if not isinstance(config, MLAConfig):
+        raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}.")
+
+
+def _check_tokens(config: MLAConfig, x, positions) -> tuple[jax.Array, jax.Array, int]:
+    """x [T, hidden_size] float and positions [T] int32; returns them and T."""
+    x = _v.as_array("x", x)
+    _v.check_rank("x", x, 2)
+    _v.check_last_dim("x", x, config.hidden_size)
+    _v.check_dtype("x", x, _ACTIVATION_DTYPES)
+    num_tokens = int(x.shape[0])
+    positions = _v.int32_array("positions", positions, 1)
+    _v.check_shape("positions", positions, (num_tokens,), "to match x's tokens")
+    return x, positions, num_tokens
+
+
+def _check_metadata(metadata, num_tokens: int, block_size: int, cache_name: str) -> None:
+    """The metadata arrays a layer step reads, against T and the cache's block size."""
+    if not isinstance(metadata, FlashInferMLASparseMetadata):
+        raise TypeError(f"metadata must be a FlashInferMLASparseMetadata, got "
+                        f"{type(metadata).__name__}.")
+    if metadata.block_size != block_size:
+        raise ValueError(f"metadata.block_size={metadata.block_size} differs from the block size "
+                         f"{block_size} of {cache_name} (axis 1).")
+    slots = _v.as_array("metadata.slot_mapping", metadata.slot_mapping)
+    _v.check_int_dtype("metadata.slot_mapping", slots)
+    _v.check_shape("metadata.slot_mapping", slots, (num_tokens,), "to match x's tokens")
+    req = _v.int32_array("metadata.req_id_per_token", metadata.req_id_per_token, 1)
+    if req.shape[0] < num_tokens:
+        raise ValueError(f"metadata.req_id_per_token has {req.shape[0]} entries for x's "
+                         f"{num_tokens} tokens.")
+    num_actual = _v.check_int("metadata.num_actual_tokens", metadata.num_actual_tokens, minimum=0)
+    if num_actual > num_tokens:
+        raise ValueError(f"metadata.num_actual_tokens={num_actual} exceeds x's {num_tokens} tokens.")
+    table = _v.int32_array("metadata.block_table", metadata.block_table, 2)
+    seq_lens = _v.int32_array("metadata.seq_lens", metadata.seq_lens, 1)
+    if seq_lens.shape[0] != table.shape[0]:
+        raise ValueError(f"metadata.seq_lens {tuple(seq_lens.shape)} and metadata.block_table "
+                         f"{tuple(table.shape)} must have the same number of requests.")
+    num_reqs = _v.check_int("metadata.num_reqs", metadata.num_reqs, minimum=0)
+    _v.check_shape("metadata.query_start_loc",
+                   _v.as_array("metadata.query_start_loc", metadata.query_start_loc),
+                   (num_reqs + 1,), f"for num_reqs={num_reqs}")
+
+
+def _check_index_cache(index_cache, num_blocks: int | None = None, block_size: int | None = None):
+    index_cache = _v.as_array("index_cache", index_cache)
+    _v.check_rank("index_cache", index_cache, 3)
+    _v.check_dtype("index_cache", index_cache, (jnp.uint8,))
+    _v.check_last_dim("index_cache", index_cache, INDEXER_CACHE_ROW_BYTES)
+    _v.check_nonempty_axes("index_cache", index_cache, {0: "block", 1: "row per block"})
+    if num_blocks is not None and tuple(index_cache.shape[:2]) != (num_blocks, block_size):
+        raise ValueError(f"index_cache {tuple(index_cache.shape)} must have kv_cache's "
+                         f"[num_blocks, block_size] = [{num_blocks}, {block_size}].")
+    return index_cache
+
+
 def _linear(in_features: int, out_features: int, rngs: nnx.Rngs, dtype) -> nnx.Linear:
     return nnx.Linear(in_features, out_features, use_bias=False, dtype=dtype, param_dtype=dtype,
                       rngs=rngs)
@@ -159,6 +221,9 @@ class Indexer(nnx.Module):
                  max_decode_next_n: int = 2, max_logits_bytes: int = 512 << 20,
                  implementation: IndexerImplementation = "auto") -> None:
         # Checked before anything else so a bad value fails here, not at the first traced call.
+        _check_config(config)
+        _v.check_int("max_decode_next_n", max_decode_next_n, minimum=1)
+        _v.check_int("max_logits_bytes", max_logits_bytes, minimum=1)
         self.implementations = indexer_op_implementations(implementation)
         if config.index_head_dim != INDEXER_HEAD_DIM or config.index_n_heads not in INDEXER_NUM_HEADS:
             raise ValueError(
@@ -273,7 +338,19 @@ class Indexer(nnx.Module):
     def __call__(self, x: jax.Array, q_a: jax.Array, positions: jax.Array, index_cache: jax.Array,
                  metadata: FlashInferMLASparseMetadata) -> tuple[jax.Array, jax.Array]:
         """x [T, D], q_a [T, q_lora_rank], positions [T] int32 -> (topk [T, index_topk] int32, the new
-        index cache)."""
+        index cache).
+
+        Checked first (TypeError / ValueError naming the argument): x [T, hidden_size] and q_a [T,
+        q_lora_rank] float, positions [T] int32, index_cache uint8 [num_blocks, block_size, 132]
+        with metadata.block_size == block_size, metadata.slot_mapping [T]."""
+        c = self.config
+        x, positions, num_tokens = _check_tokens(c, x, positions)
+        q_a = _v.as_array("q_a", q_a)
+        _v.check_rank("q_a", q_a, 2)
+        _v.check_dtype("q_a", q_a, _ACTIVATION_DTYPES)
+        _v.check_shape("q_a", q_a, (num_tokens, c.q_lora_rank), "([T, q_lora_rank])")
+        index_cache = _check_index_cache(index_cache)
+        _check_metadata(metadata, num_tokens, int(index_cache.shape[1]), "index_cache")
         q, k, weights = self.project(x, q_a, positions)
         return self.select(q, k, weights, positions, index_cache, metadata)
 
@@ -306,6 +383,10 @@ class MLASparseAttention(nnx.Module):
                  implementation: str = "auto",
                  indexer_implementation: IndexerImplementation = "auto",
                  shared_indexer: bool = False) -> None:
+        _check_config(config)
+        _v.check_kv_cache_dtype(kv_cache_dtype)
+        q_scale = _v.check_finite_positive_float("q_scale", q_scale)
+        k_scale = _v.check_finite_positive_float("k_scale", k_scale)
         # Resolved here too so that an error names this layer's parameter, not the Indexer's.
         indexer_implementation = dict(indexer_op_implementations(
             indexer_implementation, argument="indexer_implementation"))
@@ -364,12 +445,38 @@ class MLASparseAttention(nnx.Module):
         and returns it unchanged; a full layer computes its own and takes none.
         """
         c = self.config
+        x, positions, num_tokens = _check_tokens(c, x, positions)
+        if not isinstance(cache, LayerCache):
+            raise TypeError(f"cache must be a LayerCache, got {type(cache).__name__}.")
+        kv = _v.as_array("cache.kv_cache", cache.kv_cache)
+        _v.check_rank("cache.kv_cache", kv, 3)
+        _v.check_nonempty_axes("cache.kv_cache", kv, {0: "block", 1: "row per block"})
+        if self.kv_cache_dtype == "fp8_ds_mla":
+            _v.check_dtype("cache.kv_cache", kv, (jnp.uint8,))
+            _v.check_last_dim("cache.kv_cache", kv, DS_MLA_ROW_BYTES)
+        else:
+            _v.check_dtype("cache.kv_cache", kv, (jnp.float8_e4m3fn,)
+                           if self.kv_cache_dtype in FP8_PER_TENSOR_DTYPES
+                           else (jnp.bfloat16, jnp.float16))
+            _v.check_last_dim("cache.kv_cache", kv, c.kv_lora_rank + c.qk_rope_head_dim)
+        if self.indexer is None:
+            if cache.index_cache is not None:
+                _check_index_cache(cache.index_cache, kv.shape[0], kv.shape[1])
+        else:
+            if cache.index_cache is None:
+                raise ValueError("cache.index_cache is None, but this layer runs its own indexer: "
+                                 "build the cache with empty_layer_cache(..., shared_indexer=False).")
+            _check_index_cache(cache.index_cache, kv.shape[0], kv.shape[1])
         if self.indexer is None and topk_indices is None:
             raise ValueError("this layer shares the indexer of the layer before it "
                              "(shared_indexer=True): pass that layer's topk_indices.")
         if self.indexer is not None and topk_indices is not None:
             raise ValueError("this layer runs its own indexer: topk_indices must be None (build it "
                              "with shared_indexer=True to reuse another layer's selection).")
+        if topk_indices is not None:
+            topk = _v.int32_array("topk_indices", topk_indices, 2)
+            _v.check_shape("topk_indices", topk, (num_tokens, c.index_topk), "([T, index_topk])")
+        _check_metadata(metadata, num_tokens, int(kv.shape[1]), "cache.kv_cache")
         q_nope, q_pe, q_a = self.project_query(x, positions)
         kv_c, k_pe = self.project_latent_kv(x, positions)
         kv_cache = concat_and_cache_mla(kv_c, k_pe, cache.kv_cache, metadata.slot_mapping,

@@ -31,8 +31,11 @@ _XLA_MIN_CHUNK = 256
 
 
 def _kv_layout(kv_cache, kv_cache_dtype: str) -> str:
-    """Resolves kv_cache_dtype against the cache array: "bfloat16", "float16", "fp8_e4m3" or "fp8_ds_mla"."""
-    v.check_kv_cache_dtype(kv_cache_dtype)
+    """Resolves kv_cache_dtype against the cache array: "bfloat16", "float16", "fp8_e4m3" or "fp8_ds_mla".
+
+    Checks the cache's rank first: its error messages read kv_cache.shape[-1]."""
+    v.check_str_option("kv_cache_dtype", kv_cache_dtype, v.KV_CACHE_DTYPES)
+    v.check_rank("kv_cache", kv_cache, 3)
     dtype = jnp.dtype(kv_cache.dtype)
     if kv_cache_dtype == "auto":
         if dtype == jnp.bfloat16:
@@ -45,8 +48,10 @@ def _kv_layout(kv_cache, kv_cache_dtype: str) -> str:
             kv_cache_dtype = "fp8_ds_mla"
         else:
             raise TypeError(
-                f"kv_cache_dtype='auto' cannot infer the layout of a {dtype.name} cache with last "
-                f"dimension {kv_cache.shape[-1]}; pass kv_cache_dtype explicitly."
+                f"kv_cache_dtype='auto' cannot infer the layout of kv_cache (dtype {dtype.name}, last "
+                f"dimension {kv_cache.shape[-1]}): expected bfloat16, float16 or float8_e4m3fn with "
+                f"last dimension {v.MLA_HEAD_DIM}, or uint8 with {v.DS_MLA_ROW_BYTES}; or pass "
+                "kv_cache_dtype explicitly."
             )
     if kv_cache_dtype in ("bfloat16", "float16"):
         v.check_dtype("kv_cache", kv_cache, (kv_cache_dtype,))
@@ -64,12 +69,20 @@ def _kv_layout(kv_cache, kv_cache_dtype: str) -> str:
 def _check_query(q, layout: str) -> None:
     v.check_rank("q", q, (3, 4))
     v.check_last_dim("q", q, v.MLA_HEAD_DIM)
+    v.check_nonempty_axes("q", q, {q.ndim - 2: "head"})
     if layout in ("bfloat16", "float16"):
-        v.check_dtype("q", q, (layout,))
+        allowed = (layout,)
     elif layout == "fp8_e4m3":
-        v.check_dtype("q", q, (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn))
+        allowed = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn)
     else:
-        v.check_dtype("q", q, (jnp.bfloat16, jnp.float16))
+        allowed = (jnp.bfloat16, jnp.float16)
+    allowed = tuple(jnp.dtype(d) for d in allowed)
+    if jnp.dtype(q.dtype) not in allowed:
+        # The query and the cache are a pair: say which cache fixed the query's dtype.
+        raise TypeError(
+            f"q must have dtype {', '.join(d.name for d in allowed)} to go with a {layout} kv_cache; "
+            f"got {jnp.dtype(q.dtype).name}."
+        )
 
 
 def sparse_mla_decode(
@@ -112,13 +125,21 @@ def sparse_mla_decode(
       out: [T, H, 512] (or [B, q_len, H, 512]), bf16 (f16 for an f16 query).
       lse: [T, H] (or [B, q_len, H]) float32. Rows without a valid index: out = 0, lse = -inf. A NaN or
         infinite query value makes its row non-finite (pure JAX and the SM90 fp8 kernel).
+        T = 0 (an empty batch) gives empty outputs of these shapes and dtypes.
+
+    Raises:
+      TypeError for a non-array (None, list, scalar, string) where an array belongs, a wrong dtype, or a
+        non-number / non-string option; ValueError for a wrong rank or size, zero heads, zero top-k
+        width K, an empty cache (zero blocks or zero block size) or an out-of-range option.
     """
     q = v.as_array("q", q)
     kv_cache = v.as_array("kv_cache", kv_cache)
     topk_indices = v.as_array("topk_indices", topk_indices)
+    v.check_str_option("lse_base", lse_base, LSE_BASES)
+    v.check_str_option("implementation", implementation, registry.IMPLEMENTATIONS)
     layout = _kv_layout(kv_cache, kv_cache_dtype)
     _check_query(q, layout)
-    v.check_rank("kv_cache", kv_cache, 3)
+    v.check_nonempty_axes("kv_cache", kv_cache, {0: "block", 1: "slot per block"})
     leading = q.shape[:-2]
     v.check_int32("topk_indices", topk_indices)
     if topk_indices.ndim != len(leading) + 1 or topk_indices.shape[:-1] != leading:
@@ -126,6 +147,7 @@ def sparse_mla_decode(
             f"topk_indices must have shape {(*leading, 'K')} to match q {tuple(q.shape)}, "
             f"got {tuple(topk_indices.shape)}."
         )
+    v.check_nonempty_axes("topk_indices", topk_indices, {topk_indices.ndim - 1: "top-k entry"})
     if valid_counts is not None:
         valid_counts = v.as_array("valid_counts", valid_counts)
         v.check_int32("valid_counts", valid_counts)
@@ -142,13 +164,15 @@ def sparse_mla_decode(
         raise ValueError(
             f"k_scale={k_scale} applies only to an fp8 / fp8_e4m3 cache; this cache is {layout}."
         )
-    if lse_base not in LSE_BASES:
-        raise ValueError(f"lse_base must be one of {LSE_BASES}, got {lse_base!r}.")
     problem = registry.Problem(
         num_tokens=math.prod(leading), num_heads=q.shape[-2], num_keys=topk_indices.shape[-1],
         block_size=kv_cache.shape[1], kv_layout=layout, q_dtype=jnp.dtype(q.dtype).name,
     )
     kernel = registry.select_kernel(layout, problem.q_dtype, implementation, problem)
+    if problem.num_tokens == 0:  # an empty batch: nothing to read, on any kernel
+        num_heads = q.shape[-2]
+        return (jnp.zeros((*leading, num_heads, v.MLA_V_DIM), output_dtype(q.dtype)),
+                jnp.zeros((*leading, num_heads), jnp.float32))
     return _decode(
         q, kv_cache, topk_indices, valid_counts,
         kernel=kernel, bmm1_scale=scale * q_scale * k_scale, bmm2_scale=k_scale, lse_base=lse_base,

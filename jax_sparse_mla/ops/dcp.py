@@ -33,7 +33,9 @@ def _check_rank_value(name: str, value, size: int) -> int | jax.Array:
     """Returns a rank as a Python int (checked against [0, size)) or, when traced, as an int32 scalar.
 
     Inside `shard_map` the rank is `jax.lax.axis_index(...)`, a tracer: only its shape and dtype
-    can be checked, at trace time.
+    can be checked, at trace time. A traced rank outside [0, size) cannot raise; every op of this
+    module then treats it as a rank that owns nothing (no local tokens, no slots, weight 0), and
+    none indexes an array with it unclamped.
     """
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or an integer scalar array, got bool.")
@@ -55,6 +57,20 @@ def _check_rank_value(name: str, value, size: int) -> int | jax.Array:
     if not 0 <= value < size:
         raise ValueError(f"{name} must satisfy 0 <= {name} < {size}, got {value}.")
     return value
+
+
+def _bound_axis_size(axis_name) -> int:
+    """The size of the mesh axis `axis_name`, with a ValueError naming it when it is not bound."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"axis_name must be a mesh axis name (a string, or a tuple of them), got "
+                        f"{type(axis_name).__name__}: {v._short(axis_name)}.")
+    try:
+        return int(jax.lax.axis_size(axis_name))
+    except NameError:
+        raise ValueError(
+            f"axis_name {axis_name!r} is not bound here: call cp_lse_ag_out_rs inside jax.shard_map "
+            "(or another context) over a mesh that has that axis.") from None
 
 
 def _check_dcp_size(dcp_size) -> int:
@@ -82,12 +98,19 @@ def get_dcp_local_seq_lens(
     Returns:
       int32 local lengths, shape `seq_lens.shape` (or `seq_lens.shape + (N,)` when dcp_rank is None):
       the count of positions p < seq_len with `(p // I) % N == dcp_rank`.
+
+    Errors: a negative length is a ValueError when seq_lens is concrete (eager); under jax.jit it
+    counts as 0 (lengths are clamped at 0, so no count is ever negative). A dcp_rank outside [0, N)
+    is a ValueError when it is a Python int or concrete; a traced one owns nothing (0 tokens).
     """
     seq_lens = v.as_array("seq_lens", seq_lens)
     v.check_int32("seq_lens", seq_lens)
+    concrete = v.host_values(seq_lens)
+    if concrete is not None and np.any(concrete < 0):
+        raise ValueError(f"seq_lens must be >= 0, got {concrete.min()} among {v._short(concrete.tolist())}.")
     n = _check_dcp_size(dcp_size)
     i = v.check_positive_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size)
-    seq_lens = jnp.asarray(seq_lens)
+    seq_lens = jnp.maximum(jnp.asarray(seq_lens), 0)
     if dcp_rank is None:
         rank = jnp.arange(n, dtype=jnp.int32)
         seq_lens = seq_lens[..., None]
@@ -96,7 +119,10 @@ def get_dcp_local_seq_lens(
     # Each full round of N*I tokens gives every rank I; the tail round fills ranks in order, I at a time.
     base = seq_lens // i // n * i
     rem = seq_lens - base * n
-    return (base + jnp.clip(rem - rank * i, 0, i)).astype(jnp.int32)
+    local = base + jnp.clip(rem - rank * i, 0, i)
+    if isinstance(rank, jax.Array):  # traced: a rank outside [0, N) owns nothing
+        local = jnp.where((rank >= 0) & (rank < n), local, 0)
+    return local.astype(jnp.int32)
 
 
 def _float_out_and_lse(out_name: str, out, out_ranks: int | tuple[int, ...], lse_name: str, lse,
@@ -169,15 +195,22 @@ def correct_attn_out(
     Returns:
       (out, lse): out `exp(lses[cp_rank] - g) * out` in out's shape and dtype (computed in float32;
       entries whose factor is 0 are exactly 0, even when the partial was NaN), and lse = g [B, H], the
-      global LSE in lses' dtype (-inf where every rank's LSE is -inf/NaN).
+      global LSE in lses' dtype (-inf where every rank's LSE is -inf/NaN). A traced cp_rank outside
+      [0, N) gets weight 0 (out all 0); an out-of-range int or concrete rank is a ValueError.
     """
     in_shape = v.as_array("out", out).shape
     out, lses = _squeeze_out_and_lses(out, lses)
     rank = _check_rank_value("cp_rank", cp_rank, lses.shape[0])
     lses32 = lses.astype(jnp.float32)
     g, _ = _global_lse(_sanitize(lses32), is_lse_base_on_e)
+    if isinstance(rank, jax.Array):  # traced: never index with an out-of-range rank
+        in_range = (rank >= 0) & (rank < lses.shape[0])
+        rank = jnp.clip(rank, 0, lses.shape[0] - 1)
+    else:
+        in_range = True
     own = jax.lax.dynamic_index_in_dim(lses32, rank, axis=0, keepdims=False)
     x = _sanitize(own - g)  # -inf - -inf = NaN on empty rows: weight 0
+    x = jnp.where(in_range, x, -jnp.inf)
     f = (jnp.exp(x) if is_lse_base_on_e else jnp.exp2(x))[..., None]
     corrected = jnp.where(f == 0, 0.0, out.astype(jnp.float32) * f)
     return corrected.astype(out.dtype).reshape(in_shape), g.astype(lses.dtype)
@@ -201,8 +234,12 @@ def lse_weighted_combine(
     Returns:
       out [B, H, D] in outputs' dtype (accumulated in float32), and with return_lse the global
       lse [B, H] float32 (-inf for rows where no rank has keys; their out is 0).
+      N must be >= 1 (ValueError naming outputs); B, H or D of 0 give empty results.
     """
     outputs, lses = _float_out_and_lse("outputs", outputs, 4, "lses", lses, 3)
+    v.check_nonempty_axes("outputs", outputs, {0: "rank (N)"})
+    return_lse = v.check_bool("return_lse", return_lse)
+    is_lse_base_on_e = v.check_bool("is_lse_base_on_e", is_lse_base_on_e)
     if lses.shape != outputs.shape[:3]:
         raise ValueError(
             f"lses [N, B, H] must match outputs [N, B, H, D]; got lses {tuple(lses.shape)} and "
@@ -246,15 +283,22 @@ def cp_lse_ag_out_rs(
       out [B, H/N, D] in cp_attn_out's dtype: the global result for heads [r*H/N, (r+1)*H/N) of rank
       r (the sum runs in out's dtype, like vLLM's NCCL reduce-scatter); with return_lse also
       lse [B, H/N]. With N == 1 the inputs are returned unchanged, as in vLLM.
+
+    Errors: H = 0 is a ValueError naming cp_attn_out (B = 0 or D = 0 give empty results); an
+    axis_name that is not bound where the function runs (outside shard_map, or a name the mesh
+    lacks) is a ValueError naming axis_name.
     """
     cp_attn_out, cp_attn_lse = _float_out_and_lse("cp_attn_out", cp_attn_out, 3,
                                                   "cp_attn_lse", cp_attn_lse, 2)
+    v.check_nonempty_axes("cp_attn_out", cp_attn_out, {1: "head (H)"})
+    return_lse = v.check_bool("return_lse", return_lse)
+    is_lse_base_on_e = v.check_bool("is_lse_base_on_e", is_lse_base_on_e)
+    n = _bound_axis_size(axis_name)
     if cp_attn_lse.shape != cp_attn_out.shape[:2]:
         raise ValueError(
             f"cp_attn_lse [B, H] must match cp_attn_out [B, H, D]; got {tuple(cp_attn_lse.shape)} "
             f"and {tuple(cp_attn_out.shape)}."
         )
-    n = jax.lax.axis_size(axis_name)
     if n == 1:
         return (cp_attn_out, cp_attn_lse) if return_lse else cp_attn_out
     heads = cp_attn_out.shape[1]

@@ -27,6 +27,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _validation as v
 from ..kernels import index_conversion_native
@@ -76,10 +77,7 @@ def _select_core(implementation: str):
     names: "xla" pure JAX; "pallas" / "native" those kernels, or a ValueError saying why they cannot
     run here; "auto" the first of AUTO_ORDER that can run, else pure JAX. Decided at trace time from
     the default device, like the attention kernels (kernels/registry.py)."""
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
-        )
+    v.check_str_option("implementation", implementation, IMPLEMENTATIONS)
     if implementation == "xla":
         return _convert
     for name in AUTO_ORDER if implementation == "auto" else (implementation,):
@@ -104,12 +102,42 @@ def _check_common(req_id_per_token, block_table, token_indices, block_size):
             f"shape {tuple(token_indices.shape)}."
         )
     k = token_indices.shape[1]
-    if k % BLOCK_N:
+    if k % BLOCK_N or k == 0:
         raise ValueError(
-            f"token_indices.shape[1] (the top-k width K) must be a multiple of {BLOCK_N}, got K={k}."
+            f"token_indices.shape[1] (the top-k width K) must be a positive multiple of {BLOCK_N}, "
+            f"got K={k}."
         )
     block_size = v.check_positive_int("block_size", block_size)
     return req_id_per_token, block_table, token_indices, block_size
+
+
+def _check_request_ids(req_id_per_token, block_table, reads_table=None):
+    """Eagerly, every token that reads the block table (all tokens, or those where `reads_table`, a
+    host bool array, is True) must name one of its rows: a ValueError naming req_id_per_token otherwise.
+    Under jax.jit the values are unknown: ids are clipped to the table (the documented rule), and with
+    an empty table (R = 0) such tokens get only -1 (`_mask_rows`)."""
+    ids = v.host_values(req_id_per_token)
+    if ids is None:
+        return
+    num_reqs = block_table.shape[0]
+    bad = (ids < 0) | (ids >= num_reqs)
+    if reads_table is not None:
+        bad &= reads_table
+    if bad.any():
+        t = int(np.flatnonzero(bad)[0])
+        raise ValueError(
+            f"req_id_per_token must name a row of block_table (0 <= id < {num_reqs}, block_table has "
+            f"shape {tuple(block_table.shape)}); got {int(ids[t])} for token {t} "
+            f"({int(bad.sum())} token(s) out of range)."
+        )
+
+
+def _mask_rows(phys, counts, dead):
+    """Rows where `dead` [T] bool is True become all -1 with a count of 0 (after any core)."""
+    phys = jnp.where(dead[:, None], jnp.int32(-1), phys)
+    if counts is not None:
+        counts = jnp.where(dead, jnp.int32(0), counts)
+    return phys, counts
 
 
 def _stable_compact(vals: jax.Array, valid: jax.Array) -> jax.Array:
@@ -203,11 +231,20 @@ def convert_req_index_to_global_index(
     Returns:
       phys [T, K] int32 slots (`block * block_size + offset`, or `start + tok` for workspace
       rows), -1 for negative positions and blocks at or past W; with return_valid_counts, also
-      valid_counts [T] int32.
+      valid_counts [T] int32. T = 0 gives empty outputs.
+
+    Ids outside their tables: called eagerly, a request id outside [0, R) of a token that reads the
+    block table (a non-prefill token) is a ValueError naming req_id_per_token, and a workspace id
+    >= P a ValueError naming prefill_workspace_request_ids. Under jax.jit (values unknown at trace
+    time) request ids are clipped to the table as documented (docs/semantics.md); a token whose
+    request id cannot be clipped (an empty table, R = 0) and a token whose workspace id is >= P are
+    treated as invalid: its whole row is -1 and its count 0. Nothing outside the arrays is read.
     """
     req_id_per_token, block_table, token_indices, block_size = _check_common(
         req_id_per_token, block_table, token_indices, block_size
     )
+    return_valid_counts = v.check_bool("return_valid_counts", return_valid_counts)
+    compact = v.check_bool("compact", compact)
     if (prefill_workspace_request_ids is None) != (prefill_workspace_starts is None):
         raise ValueError(
             "prefill_workspace_request_ids and prefill_workspace_starts must be given together "
@@ -224,11 +261,32 @@ def convert_req_index_to_global_index(
     else:
         pref_ids = pref_starts = None
     core = _select_core(implementation)
+    num_reqs, num_starts = block_table.shape[0], None if pref_ids is None else pref_starts.shape[0]
+    host_pref = None if pref_ids is None else v.host_values(pref_ids)
+    if host_pref is not None and (host_pref >= num_starts).any():
+        t = int(np.flatnonzero(host_pref >= num_starts)[0])
+        raise ValueError(
+            f"prefill_workspace_request_ids must be -1 or name one of the {num_starts} workspaces of "
+            f"prefill_workspace_starts (0 <= id < {num_starts}); got {int(host_pref[t])} for token {t}."
+        )
+    if pref_ids is None:
+        _check_request_ids(req_id_per_token, block_table)
+    elif host_pref is not None:
+        _check_request_ids(req_id_per_token, block_table, host_pref < 0)
     phys, counts = core(
         req_id_per_token, block_table, token_indices, 0, pref_ids, pref_starts,
-        block_size=block_size, dcp_size=1, interleave=1, compact=bool(compact),
-        count=bool(return_valid_counts),
+        block_size=block_size, dcp_size=1, interleave=1, compact=compact,
+        count=return_valid_counts,
     )
+    # Under jit: the cases no clipping can make meaningful are invalid rows (eagerly they raised).
+    dead = None
+    if pref_ids is not None:
+        dead = pref_ids >= num_starts
+    if num_reqs == 0:
+        paged = jnp.ones(token_indices.shape[:1], bool) if pref_ids is None else pref_ids < 0
+        dead = paged if dead is None else dead | paged
+    if dead is not None:
+        phys, counts = _mask_rows(phys, counts, dead)
     return (phys, counts) if return_valid_counts else phys
 
 
@@ -269,11 +327,17 @@ def filter_and_convert_dcp_index(
 
     Returns:
       phys [T, K] int32 local slots, -1 for invalid, out-of-width or remote positions; with
-      return_valid_counts, also valid_counts [T] int32.
+      return_valid_counts, also valid_counts [T] int32. T = 0 gives empty outputs.
+
+    Request ids outside [0, R): eagerly a ValueError naming req_id_per_token; under jax.jit clipped
+    to the table as documented (docs/semantics.md), except with an empty table (R = 0), where every
+    row is treated as invalid (all -1, count 0). Nothing outside the arrays is read.
     """
     req_id_per_token, block_table, token_indices, block_size = _check_common(
         req_id_per_token, block_table, token_indices, block_size
     )
+    return_valid_counts = v.check_bool("return_valid_counts", return_valid_counts)
+    compact = v.check_bool("compact", compact)
     n = _check_dcp_size(dcp_size)
     rank = _check_rank_value("dcp_rank", dcp_rank, n)
     interleave = v.check_positive_int("cp_kv_cache_interleave_size", cp_kv_cache_interleave_size)
@@ -283,9 +347,12 @@ def filter_and_convert_dcp_index(
             f"({interleave})."
         )
     core = _select_core(implementation)
+    _check_request_ids(req_id_per_token, block_table)
     phys, counts = core(
         req_id_per_token, block_table, token_indices, rank, None, None,
-        block_size=block_size, dcp_size=n, interleave=interleave, compact=bool(compact),
-        count=bool(return_valid_counts),
+        block_size=block_size, dcp_size=n, interleave=interleave, compact=compact,
+        count=return_valid_counts,
     )
+    if block_table.shape[0] == 0:  # under jit (eagerly it raised): no row to clip to
+        phys, counts = _mask_rows(phys, counts, jnp.ones(token_indices.shape[:1], bool))
     return (phys, counts) if return_valid_counts else phys

@@ -23,10 +23,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import _validation as v
 from ..kernels import registry
-from .indexer_cache import _check_cache, _dtype_names, split_block_bytes, ue8m0_quantize
+from .indexer_cache import (_check_block_ids, _check_cache, _check_eps, _check_groups, _dtype_names,
+                            _ue8m0_quantize, split_block_bytes)
 
 __all__ = [
     "fold_indexer_weights",
@@ -53,22 +55,42 @@ _DOT_DTYPE = jnp.float32
 def quantize_indexer_q(q: jax.Array, *, eps: float = Q_EPS) -> tuple[jax.Array, jax.Array]:
     """Per-(token, head) fp8 query quantisation with power-of-two scales, as vLLM's indexer does it.
 
-    q: [..., H, 128] bf16 / f16 / f32 (after RoPE). Returns (q8 [..., H, 128] float8_e4m3fn,
-    q_scale [..., H] float32), q ~= q8 * q_scale, q_scale = 2^ceil(log2(max(amax, eps) / 448)).
-    eps: 1e-10 is vLLM's; DeepSeek's reference act_quant uses 1e-4.
+    q: [..., H, 128] bf16 / f16 / f32 (after RoPE), H >= 1 (the leading axes may be empty). Returns
+    (q8 [..., H, 128] float8_e4m3fn, q_scale [..., H] float32), q ~= q8 * q_scale,
+    q_scale = 2^ceil(log2(max(amax, eps) / 448)).
+    eps: a static float; 1e-10 is vLLM's; DeepSeek's reference act_quant uses 1e-4. It must be finite
+    with eps / 448 a normal float32.
+
+    A non-array q, a wrong dtype or a non-number eps is a TypeError; rank below 2, a last dimension
+    other than 128, zero heads or eps out of range a ValueError.
     """
-    q = v.as_array("quantize_indexer_q: q", q)
-    v.check_dtype("quantize_indexer_q: q", q, (jnp.bfloat16, jnp.float16, jnp.float32))
-    v.check_last_dim("quantize_indexer_q: q", q, _D)
-    return ue8m0_quantize(q, eps)
+    op = "quantize_indexer_q"
+    q = v.as_array(f"{op}: q", q)
+    v.check_dtype(f"{op}: q", q, (jnp.bfloat16, jnp.float16, jnp.float32))
+    v.check_min_rank(f"{op}: q", q, 2)
+    v.check_last_dim(f"{op}: q", q, _D)
+    v.check_nonempty_axes(f"{op}: q", q, {q.ndim - 2: "head (H)"})
+    eps = _check_eps(f"{op}: eps", eps)
+    return _ue8m0_quantize(q, eps)
 
 
 def fold_indexer_weights(weights: jax.Array, q_scale: jax.Array) -> jax.Array:
     """weights [..., H] (weights_proj(x), fp32) -> weights * q_scale * 128^-0.5 * H^-0.5, fp32 [..., H].
 
     The softmax scale is head_dim^-0.5 without YaRN's mscale (unlike MLA's); the logits ops take
-    these folded weights.
+    these folded weights. weights and q_scale (quantize_indexer_q's) are bf16 / f16 / f32 arrays of
+    the same shape [..., H], H >= 1 (the leading axes may be empty): anything else is a TypeError
+    (not an array, wrong dtype) or a ValueError (rank 0, zero heads, different shapes).
     """
+    op = "fold_indexer_weights"
+    weights = v.as_array(f"{op}: weights", weights)
+    q_scale = v.as_array(f"{op}: q_scale", q_scale)
+    floats = (jnp.bfloat16, jnp.float16, jnp.float32)
+    v.check_dtype(f"{op}: weights", weights, floats)
+    v.check_dtype(f"{op}: q_scale", q_scale, floats)
+    v.check_min_rank(f"{op}: weights", weights, 1)
+    v.check_nonempty_axes(f"{op}: weights", weights, {weights.ndim - 1: "head (H)"})
+    v.check_shape(f"{op}: q_scale", q_scale, weights.shape, "(the shape of weights, [..., H])")
     num_heads = weights.shape[-1]
     factor = _D ** -0.5 * num_heads ** -0.5
     return weights.astype(jnp.float32) * q_scale.astype(jnp.float32) * jnp.float32(factor)
@@ -97,6 +119,16 @@ def _check_f32(name: str, array, rank: int) -> None:
 
 # --- decode: paged logits -------------------------------------------------------------------------------
 
+def _positions_in_cache(block_table, *, num_blocks, block_size, next_n, max_context_len):
+    """[B * next_n, max_context_len] bool: whether key position s of row b * next_n + j lies in a block
+    whose id block_table[b, s // block_size] is inside the cache, [0, num_blocks)."""
+    needed = -(-max_context_len // block_size)
+    ids = block_table[:, :needed]
+    inside = (ids >= 0) & (ids < num_blocks)
+    inside = jnp.repeat(inside, block_size, axis=1)[:, :max_context_len]
+    return jnp.repeat(inside, next_n, axis=0)
+
+
 @functools.partial(jax.jit, static_argnames=("max_context_len", "chunk_blocks"))
 def _paged_logits_jit(q, index_cache, weights, context_lens, block_table, *, max_context_len,
                       chunk_blocks):
@@ -107,12 +139,17 @@ def _paged_logits_jit(q, index_cache, weights, context_lens, block_table, *, max
     valid = jnp.arange(max_context_len, dtype=jnp.int32)[None, :] < limit[:, None]
     if rows == 0 or num_blocks == 0:
         return jnp.full((rows, max_context_len), -jnp.inf, jnp.float32)
+    # A block id outside the cache inside a context (a ValueError when called eagerly) is never read
+    # (clamped below) and its positions are -inf.
+    valid = valid & _positions_in_cache(block_table, num_blocks=num_blocks, block_size=block_size,
+                                        next_n=next_n, max_context_len=max_context_len)
     needed = -(-max_context_len // block_size)
     num_chunks = -(-needed // chunk_blocks)
     table = block_table[:, :needed]
     table = jnp.pad(table, ((0, 0), (0, num_chunks * chunk_blocks - needed)))
-    # Entries past a request's last block may hold anything: clamp so the gather stays in bounds; the
-    # scores they produce are masked to -inf below.
+    # Entries past a request's last block may hold anything, and entries inside it may lie outside the
+    # cache under jit: clamp so the gather stays in bounds; the scores they produce are masked to -inf
+    # below.
     table = jnp.clip(table, 0, num_blocks - 1).reshape(batch, num_chunks, chunk_blocks)
     pages = index_cache.reshape(num_blocks, -1)
     q = q.astype(_DOT_DTYPE)
@@ -169,6 +206,20 @@ def fp8_paged_mqa_logits(
       k_scale[s] * sum_h weights[row, h] * relu(q[b, j, h] . k[s]), and -inf everywhere else (never
       uninitialised values; L_b <= 0 gives a row of -inf). Called eagerly, L_b > max_context_len is a
       ValueError; under `jax.jit` the row is cut at max_context_len.
+
+    Block ids: the blocks a request reads, block_table[b, :ceil(L_b / block_size)] (L_b cut to
+    [0, max_context_len]), must lie in [0, num_blocks); entries past them are never used and may hold
+    anything. Called eagerly, an id outside the cache there is a ValueError naming block_table; under
+    `jax.jit` (values unknown) it is never read outside the cache: pure JAX gives -inf at its
+    block_size positions in every row of the request; the native kernels read the cache's last
+    block in its place.
+
+    Raises:
+      TypeError: an argument that is not an array (None, a list, a scalar), a wrong dtype, or
+        max_context_len that is not an int (a bool, float or string).
+      ValueError: a wrong rank or shape, H not 32 or 64, next_n = 0, an index cache with no block
+        or no token per block, max_context_len < 1 or more than W * block_size, and (eagerly) the
+        value errors above. B = 0 requests are fine (an empty [0, max_context_len] result).
     """
     op = "fp8_paged_mqa_logits"
     q = v.as_array(f"{op}: q", q)
@@ -177,6 +228,7 @@ def fp8_paged_mqa_logits(
     context_lens = v.int32_array(f"{op}: context_lens", context_lens, 1)
     block_table = v.int32_array(f"{op}: block_table", block_table, 2)
     _check_query(op, q, 4)
+    v.check_nonempty_axes(f"{op}: q", q, {1: "query token per request (next_n)"})
     _check_cache(f"{op}: index_cache", index_cache)
     batch, next_n, num_heads, _ = q.shape
     _check_f32(f"{op}: weights", weights, 2)
@@ -186,19 +238,26 @@ def fp8_paged_mqa_logits(
     if block_table.shape[0] != batch:
         raise ValueError(f"{op}: block_table must have {batch} rows (B), got shape "
                          f"{tuple(block_table.shape)}.")
-    max_context_len = v.check_positive_int(f"{op}: max_context_len", max_context_len)
-    block_size = index_cache.shape[1]
+    max_context_len = v.check_static_size(f"{op}: max_context_len", max_context_len)
+    num_blocks, block_size = index_cache.shape[:2]
     covered = block_table.shape[1] * block_size
     if max_context_len > covered:
         raise ValueError(
             f"{op}: max_context_len = {max_context_len} is more than block_table covers "
             f"({block_table.shape[1]} blocks x {block_size} = {covered}).")
     _check_lengths_within(op, context_lens, max_context_len, "max_context_len")
+    lengths = v.host_values(context_lens)
+    if lengths is not None:
+        _check_block_ids(op, block_table, np.minimum(lengths, max_context_len), block_size, num_blocks,
+                         "its context length in context_lens is")
     problem = registry.IndexerProblem(
         op, num_rows=batch * next_n, num_heads=num_heads, num_keys=max_context_len, batch=batch,
         next_n=next_n, block_size=block_size,
         dtypes=_dtype_names(q, index_cache, weights, context_lens, block_table))
     kernel = registry.select_op_kernel(op, implementation, problem)
+    # No mask pass over a native kernel's output for ids outside the cache (they read the last block
+    # in its place): an extra pass over [B * next_n, L] fp32 on every decode step would cost more
+    # than a contract for invalid input is worth.
     return kernel.fn(q, index_cache, weights, context_lens, block_table,
                      max_context_len=max_context_len)
 
@@ -283,7 +342,11 @@ def fp8_mqa_logits(
     Returns:
       [M, N] float32: k_scale[s] * sum_h weights[i, h] * relu(q[i, h] . k[s]) inside each row's range,
       -inf outside it. Called eagerly, row_starts < 0 or row_ends > N is a ValueError; under
-      `jax.jit` the range is cut to [0, N).
+      `jax.jit` the range is cut to [0, N). M = 0 rows or N = 0 keys give the empty [M, N] result.
+
+    Raises:
+      TypeError: an argument that is not an array (None, a list, a scalar) or of the wrong dtype.
+      ValueError: a wrong rank or shape, H not 32 or 64, and (eagerly) the range errors above.
     """
     op = "fp8_mqa_logits"
     q = v.as_array(f"{op}: q", q)
@@ -387,7 +450,13 @@ def top_k_per_row(
     Returns:
       [R, k] int32 positions relative to row_starts[r] (request-local when the row covers one request's
       keys), -1 where there is none. Called eagerly, row_starts < 0 or row_ends > S is a ValueError;
-      under `jax.jit` the range is cut to [0, S).
+      under `jax.jit` the range is cut to [0, S). R = 0 rows give an empty [0, k] result and S = 0
+      columns rows of -1, on every path.
+
+    Raises:
+      TypeError: an argument that is not an array or of the wrong dtype, k not an int (a bool, float
+        or string).
+      ValueError: a wrong rank or shape, k < 1 or k >= 2^31, and (eagerly) the range errors above.
 
     The selection: the k largest of the row's values, where NaN ranks below every number (-inf
     included: -inf entries inside the range are candidates, as in vLLM, whose rows of at most k
@@ -407,7 +476,7 @@ def top_k_per_row(
     num_rows, width = logits.shape
     v.check_shape(f"{op}: row_starts", row_starts, (num_rows,), "(one per logits row)")
     v.check_shape(f"{op}: row_ends", row_ends, (num_rows,), "(one per logits row)")
-    k = v.check_positive_int(f"{op}: k", k)
+    k = v.check_static_size(f"{op}: k", k)
     _check_row_range(op, row_starts, row_ends, width, "the logits width S")
     problem = registry.IndexerProblem(op, num_rows=num_rows, num_keys=width, top_k=k,
                                       dtypes=_dtype_names(logits, row_starts, row_ends))
@@ -436,14 +505,20 @@ def top_k_per_row_decode(
     Returns:
       [B * next_n, k] int32 positions (request-local), -1 where there is none, chosen and ordered by
       top_k_per_row's rules (NaN below every number, ties to the lower position, ascending positions
-      then -1). Called eagerly, L_b > S is a ValueError; under `jax.jit` the range is cut at S.
+      then -1). Called eagerly, L_b > S is a ValueError; under `jax.jit` the range is cut at S. B = 0
+      requests give an empty [0, k] result and S = 0 columns rows of -1, on every path.
+
+    Raises:
+      TypeError: an argument that is not an array or of the wrong dtype, next_n or k not an int.
+      ValueError: a wrong rank or shape (logits must have B * next_n rows), next_n or k below 1 (or
+        2^31 and above), and (eagerly) L_b > S.
     """
     op = "top_k_per_row_decode"
     logits = v.as_array(f"{op}: logits", logits)
     context_lens = v.int32_array(f"{op}: context_lens", context_lens, 1)
     _check_f32(f"{op}: logits", logits, 2)
-    next_n = v.check_positive_int(f"{op}: next_n", next_n)
-    k = v.check_positive_int(f"{op}: k", k)
+    next_n = v.check_static_size(f"{op}: next_n", next_n)
+    k = v.check_static_size(f"{op}: k", k)
     num_rows, width = logits.shape
     batch = context_lens.shape[0]
     if num_rows != batch * next_n:

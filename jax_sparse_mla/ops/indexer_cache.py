@@ -37,14 +37,45 @@ _D = v.INDEXER_HEAD_DIM
 _ROW = v.INDEXER_CACHE_ROW_BYTES
 
 
+# The smallest eps for which eps / 448 is a normal float32 (the scale's bit trick needs that).
+_MIN_EPS = float(FP8_E4M3_MAX) * float(np.finfo(np.float32).tiny)
+
+
+def _check_eps(name: str, eps) -> float:
+    """eps: a static finite float with eps / 448 a normal float32 (about 5.3e-36 up to float32's max)."""
+    eps = v.check_finite_positive_float(name, eps)
+    if not _MIN_EPS <= eps <= float(np.finfo(np.float32).max):
+        raise ValueError(f"{name} must be in [{_MIN_EPS:.3g}, {float(np.finfo(np.float32).max):.3g}] "
+                         f"(eps / 448 a normal float32), got {eps!r}.")
+    return eps
+
+
+def _check_groups(name: str, x) -> None:
+    """x: [..., 128] bf16 / f16 / f32, at least rank 1."""
+    v.check_dtype(name, x, (jnp.bfloat16, jnp.float16, jnp.float32))
+    v.check_min_rank(name, x, 1)
+    v.check_last_dim(name, x, _D)
+
+
 def ue8m0_quantize(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
     """Quantises groups of 128 with power-of-two ("ue8m0") scales.
 
-    x: [..., 128] bf16 / f16 / f32. Returns (x8 [..., 128] float8_e4m3fn, scale [...] float32) with
-    x ~= x8 * scale and scale = 2^ceil(log2(max(amax, eps) / 448)), computed exactly: the division is a
-    true IEEE division (not a multiplication by 1/448, which can land one ulp above a power of two and
-    double the scale) and the ceil(log2) is read from the float's bits.
+    x: [..., 128] bf16 / f16 / f32 (leading axes may be empty). Returns (x8 [..., 128]
+    float8_e4m3fn, scale [...] float32) with x ~= x8 * scale and
+    scale = 2^ceil(log2(max(amax, eps) / 448)), computed exactly: the division is a true IEEE division
+    (not a multiplication by 1/448, which can land one ulp above a power of two and double the scale)
+    and the ceil(log2) is read from the float's bits. eps: a static float, finite, with eps / 448 a
+    normal float32. A non-array x, a wrong dtype or a non-number eps is a TypeError; a wrong rank or
+    last dimension, or eps out of range, a ValueError.
     """
+    x = v.as_array("ue8m0_quantize: x", x)
+    _check_groups("ue8m0_quantize: x", x)
+    eps = _check_eps("ue8m0_quantize: eps", eps)
+    return _ue8m0_quantize(x, eps)
+
+
+def _ue8m0_quantize(x: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+    """ue8m0_quantize without the checks (the callers have made them)."""
     x = x.astype(jnp.float32)
     magnitude = jnp.abs(x)
     amax = jnp.max(jnp.where(jnp.isnan(magnitude), 0.0, magnitude), axis=-1)
@@ -78,7 +109,7 @@ def _write_xla(k, index_cache, slot_mapping):
     num_blocks, block_size, _ = index_cache.shape
     if k.shape[0] == 0 or num_blocks == 0:
         return index_cache
-    values, scales = ue8m0_quantize(k, K_EPS)
+    values, scales = _ue8m0_quantize(k, K_EPS)
     record = jnp.concatenate([_as_bytes(values), _as_bytes(scales)], axis=1)  # [T, 132]
     slot = slot_mapping
     # Negative slots (padding) aim at block num_blocks, which the scatter drops; so do slots past the
@@ -93,9 +124,37 @@ def _write_xla(k, index_cache, slot_mapping):
 
 
 def _check_cache(name: str, index_cache) -> None:
+    """uint8 [num_blocks, block_size, 132] with at least one block of at least one token: a cache
+    without a slot can hold no key (every id into it would be out of range)."""
     v.check_rank(name, index_cache, 3)
     v.check_dtype(name, index_cache, (jnp.uint8,))
     v.check_last_dim(name, index_cache, _ROW)
+    v.check_nonempty_axes(name, index_cache, {0: "block (num_blocks)", 1: "token per block (block_size)"})
+
+
+def _check_block_ids(op: str, block_table, lengths, block_size: int, num_blocks: int,
+                     what: str) -> None:
+    """Eager calls: every block id that a request's tokens read must lie in [0, num_blocks).
+
+    block_table [R, W] int32; lengths: the concrete tokens per request (NumPy [R], values <= 0 read no
+    block) or None under `jax.jit`, where nothing is checked and the op's documented masking applies.
+    Entries past a request's last block are not read and may hold anything (vLLM pads with junk).
+    """
+    if lengths is None:
+        return
+    table = v.host_values(block_table)
+    if table is None or table.size == 0:
+        return
+    width = table.shape[1]
+    used = np.minimum(-(-np.maximum(lengths.astype(np.int64), 0) // block_size), width)
+    read = np.arange(width)[None, :] < used[:, None]
+    bad = read & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        r, i = (int(x) for x in np.argwhere(bad)[0])
+        raise ValueError(
+            f"{op}: block_table[{r}, {i}] = {int(table[r, i])} is outside the index cache's "
+            f"{num_blocks} blocks [0, {num_blocks}), but request {r} reads it ({what} "
+            f"{int(lengths[r])}, blocks 0..{int(used[r]) - 1} of its row of block_table).")
 
 
 def _dtype_names(*arrays) -> tuple[str, ...]:
@@ -121,7 +180,12 @@ def indexer_k_quant_and_cache(
     Returns:
       The new cache (same shape and dtype). Functional: donate the cache under `jax.jit` to update it
       in place. Token t's record is e4m3(k[t] / s_t) and s_t = 2^ceil(log2(max(amax_t, 1e-4) / 448)).
-      Two tokens with the same slot leave one of the two records, unspecified which.
+      Two tokens with the same slot leave one of the two records, unspecified which. T = 0 keys
+      return the cache unchanged.
+
+    Raises:
+      TypeError: an argument that is not an array (None, a list, a scalar), or of the wrong dtype.
+      ValueError: wrong rank or shape, or an index cache with no block or no token per block.
     """
     op = "indexer_k_quant_and_cache"
     k = v.as_array(f"{op}: k", k)
@@ -200,16 +264,27 @@ def cp_gather_indexer_k_quant_cache(
     Returns:
       (k_fp8 [num_tokens, 128] float8_e4m3fn, k_scale [num_tokens] float32). Rows that belong to no
       request (before cu[0], from cu[R] on) are 0 with scale 0. Called eagerly, a request longer than
-      W * block_size, cu[R] > num_tokens or a decreasing cu_seq_lens is a ValueError; under `jax.jit`
-      the values are unknown, rows past the table or past num_tokens are dropped (0) and block ids
-      outside [0, num_blocks) read as 0.
+      W * block_size, cu[R] > num_tokens, a negative or decreasing cu_seq_lens, or a block id outside
+      [0, num_blocks) among the blocks a request reads (block_table[r, :ceil(len_r / block_size)]) is
+      a ValueError naming the argument. Under `jax.jit` the values are unknown and none of this is
+      checked: rows past the table or past num_tokens are dropped (0) and block ids outside
+      [0, num_blocks) read as 0 (scale 0); a negative or decreasing cu_seq_lens assigns rows to
+      requests in an unspecified way (a binary search over an unsorted array), but every row is still
+      either 0 with scale 0 or a record read through its request's table row from a block inside the
+      cache: nothing is ever read outside the cache or the table.
+
+    Raises:
+      TypeError: an argument that is not an array, or of the wrong dtype; num_tokens not an int.
+      ValueError: wrong rank or shape, an index cache with no block (num_blocks = 0) or no token per
+        block (block_size = 0), num_tokens < 1, and (eagerly) the value errors above. R = 0 requests
+        or W = 0 table columns (with every length 0) are fine: all rows are 0.
     """
     op = "cp_gather_indexer_k_quant_cache"
     index_cache = v.as_array(f"{op}: index_cache", index_cache)
     block_table = v.int32_array(f"{op}: block_table", block_table, 2)
     cu_seq_lens = v.int32_array(f"{op}: cu_seq_lens", cu_seq_lens, 1)
     _check_cache(f"{op}: index_cache", index_cache)
-    num_tokens = v.check_positive_int(f"{op}: num_tokens", num_tokens)
+    num_tokens = v.check_static_size(f"{op}: num_tokens", num_tokens)
     num_reqs, width = block_table.shape
     v.check_shape(f"{op}: cu_seq_lens", cu_seq_lens, (num_reqs + 1,),
                   f"for block_table of shape {tuple(block_table.shape)}")
@@ -223,10 +298,13 @@ def cp_gather_indexer_k_quant_cache(
             r = int(lengths.argmax())
             raise ValueError(
                 f"{op}: request {r} has {int(lengths[r])} tokens but block_table covers "
-                f"{width} blocks x {block_size} = {width * block_size}.")
+                f"{width} blocks x {block_size} = {width * block_size} (cu_seq_lens[{r + 1}] - "
+                f"cu_seq_lens[{r}]).")
         if cu[-1] > num_tokens:
             raise ValueError(
                 f"{op}: cu_seq_lens[-1] = {int(cu[-1])} rows do not fit num_tokens = {num_tokens}.")
+        _check_block_ids(op, block_table, lengths, block_size, index_cache.shape[0],
+                         "its length in cu_seq_lens is")
     problem = registry.IndexerProblem(
         op, num_rows=num_tokens, num_keys=num_tokens, batch=num_reqs, block_size=block_size,
         dtypes=_dtype_names(index_cache, block_table, cu_seq_lens))

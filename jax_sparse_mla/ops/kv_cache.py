@@ -42,10 +42,14 @@ def _divide(values: jax.Array, divisor: jax.Array) -> jax.Array:
 def quantize_query_fp8(q: jax.Array, q_scale: float) -> jax.Array:
     """Static per-tensor fp8 query quantisation: e4m3(clamp(q * (1 / q_scale), -448, 448)).
 
-    q: [..., 576] bf16 / f16 / f32. Returns float8_e4m3fn of the same shape; dequantise as q8 * q_scale.
+    q: [..., 576] bf16 / f16 / f32 (the absorbed MLA query that sparse_mla_decode takes; leading axes
+      may be empty). q_scale: a finite positive static number (not a bool, string or traced value).
+    Returns float8_e4m3fn of the same shape; dequantise as q8 * q_scale.
     """
     q = v.as_array("q", q)
     v.check_dtype("q", q, (jnp.bfloat16, jnp.float16, jnp.float32))
+    v.check_min_rank("q", q, 1)
+    v.check_last_dim("q", q, v.MLA_HEAD_DIM)
     q_scale = v.check_finite_positive_float("q_scale", q_scale)
     return _to_e4m3(q.astype(jnp.float32) * (1.0 / q_scale))
 
@@ -82,8 +86,11 @@ def _check_writer_inputs(kv_c, k_pe, kv_cache, slot_mapping, input_dtypes):
         k_pe = k_pe[:, 0]
     v.check_rank("k_pe", k_pe, 2)
     v.check_last_dim("k_pe", k_pe, v.MLA_ROPE_DIM)
-    v.check_dtype("k_pe", k_pe, (kv_c.dtype,))
+    if jnp.dtype(k_pe.dtype) != jnp.dtype(kv_c.dtype):
+        raise TypeError(f"k_pe must have dtype {jnp.dtype(kv_c.dtype).name} to match kv_c; got "
+                        f"{jnp.dtype(k_pe.dtype).name}.")
     v.check_rank("kv_cache", kv_cache, 3)
+    v.check_nonempty_axes("kv_cache", kv_cache, {0: "block", 1: "slot per block"})
     v.check_rank("slot_mapping", slot_mapping, 1)
     v.check_dtype("slot_mapping", slot_mapping, (jnp.int32, jnp.int64))
     if not (kv_c.shape[0] == k_pe.shape[0] == slot_mapping.shape[0]):
@@ -117,12 +124,16 @@ def concat_and_cache_ds_mla(
     """Writes this step's latent KV into an fp8_ds_mla cache and returns the new cache.
 
     kv_c: [T, 512] bf16; k_pe: [T, 64] (or [T, 1, 64]) bf16; kv_cache: [num_blocks, block_size, 656]
-    uint8; slot_mapping: [T] int32/int64 (block * block_size + offset; < 0 skipped).
+    uint8; slot_mapping: [T] int32/int64 (block * block_size + offset; < 0 and past-the-end slots
+    skipped). T = 0 returns the cache unchanged; a cache with zero blocks or zero block size is a
+    ValueError.
     """
     kv_c, k_pe, kv_cache, slot_mapping = _check_writer_inputs(
         kv_c, k_pe, kv_cache, slot_mapping, (jnp.bfloat16,))
     v.check_dtype("kv_cache", kv_cache, (jnp.uint8,))
     v.check_last_dim("kv_cache", kv_cache, v.DS_MLA_ROW_BYTES)
+    if kv_c.shape[0] == 0:  # an empty batch writes nothing (the packer cannot reshape 0 rows)
+        return jnp.asarray(kv_cache)
     return _write_ds_mla(kv_c, k_pe, kv_cache, slot_mapping)
 
 
@@ -152,9 +163,12 @@ def concat_and_cache_mla(
     kv_cache: [num_blocks, block_size, 576]: the inputs' dtype for kv_cache_dtype "auto" / "bfloat16" /
       "float16"; float8_e4m3fn (or its uint8 view) for "fp8" / "fp8_e4m3", storing e4m3(x / k_scale).
       [num_blocks, block_size, 656] uint8 for "fp8_ds_mla" (same as concat_and_cache_ds_mla).
-    slot_mapping: [T] int32/int64 physical slots; slots < 0 are skipped.
+    slot_mapping: [T] int32/int64 physical slots; slots < 0 (and past the end) are skipped.
+    kv_cache_dtype: "auto", "bfloat16", "float16", "fp8", "fp8_e4m3" or "fp8_ds_mla" (a str).
+    k_scale: a finite positive static number; other than 1.0 only for "fp8" / "fp8_e4m3".
+    T = 0 returns the cache unchanged; a cache with zero blocks or zero block size is a ValueError.
     """
-    v.check_kv_cache_dtype(kv_cache_dtype)
+    v.check_str_option("kv_cache_dtype", kv_cache_dtype, v.KV_CACHE_DTYPES)
     k_scale = v.check_finite_positive_float("k_scale", k_scale)
     if kv_cache_dtype == "fp8_ds_mla":
         if k_scale != 1.0:

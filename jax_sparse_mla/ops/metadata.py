@@ -162,41 +162,84 @@ class FlashInferMLASparseMetadataBuilder:
         self.reorder_batch_threshold = threshold
 
     def build(self, common: CommonAttentionMetadata) -> FlashInferMLASparseMetadata:
-        v.check_int32("query_start_loc", common.query_start_loc)
-        v.check_int32("seq_lens", common.seq_lens)
-        v.check_int32("block_table_tensor", common.block_table_tensor)
-        v.check_rank("block_table_tensor", common.block_table_tensor, 2)
-        if common.query_start_loc.shape != (common.num_reqs + 1,):
+        """Checks `common` (every argument before any use: TypeError for a wrong type or dtype,
+        ValueError for a wrong rank, size or value) and builds the metadata.
+
+        Checked at trace time: the static sizes (ints >= 0), query_start_loc [num_reqs + 1] int32,
+        seq_lens [R] int32 and block_table_tensor [R, W] int32 (the same R: a padded batch may have
+        R > num_reqs rows), slot_mapping [>= num_actual_tokens] int32/int64, and the host copies.
+        Checked on values when they are concrete (eager calls, host copies): query_start_loc starts at
+        >= 0, never decreases and ends at <= num_actual_tokens; seq_lens >= 0. Under jax.jit traced
+        values are not checked (nothing here indexes with them).
+        """
+        if not isinstance(common, CommonAttentionMetadata):
+            raise TypeError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}.")
+        num_reqs = v.check_int("num_reqs", common.num_reqs, minimum=0)
+        num_tokens = v.check_int("num_actual_tokens", common.num_actual_tokens, minimum=0)
+        max_query_len = v.check_int("max_query_len", common.max_query_len, minimum=0)
+        max_seq_len = v.check_int("max_seq_len", common.max_seq_len, minimum=0)
+        qsl_arr = v.int32_array("query_start_loc", common.query_start_loc, 1)
+        seq_lens_arr = v.as_array("seq_lens", common.seq_lens)
+        v.check_int32("seq_lens", seq_lens_arr)
+        v.check_rank("seq_lens", seq_lens_arr, 1)
+        table = v.as_array("block_table_tensor", common.block_table_tensor)
+        v.check_int32("block_table_tensor", table)
+        v.check_rank("block_table_tensor", table, 2)
+        slot_mapping = v.as_array("slot_mapping", common.slot_mapping)
+        v.check_int_dtype("slot_mapping", slot_mapping)
+        v.check_rank("slot_mapping", slot_mapping, 1)
+        if qsl_arr.shape != (num_reqs + 1,):
             raise ValueError(
-                f"query_start_loc must have shape ({common.num_reqs + 1},) for num_reqs="
-                f"{common.num_reqs}, got {tuple(common.query_start_loc.shape)}."
+                f"query_start_loc must have shape ({num_reqs + 1},) for num_reqs="
+                f"{num_reqs}, got {tuple(qsl_arr.shape)}."
             )
-        if common.slot_mapping.shape[0] < common.num_actual_tokens:
+        if table.shape[0] != seq_lens_arr.shape[0]:
             raise ValueError(
-                f"slot_mapping has {common.slot_mapping.shape[0]} entries for "
-                f"{common.num_actual_tokens} tokens."
+                f"seq_lens and block_table_tensor must have one entry per request (the same R): got "
+                f"seq_lens {tuple(seq_lens_arr.shape)} and block_table_tensor {tuple(table.shape)}."
             )
-        num_tokens = common.num_actual_tokens
-        if common.max_query_len <= self.reorder_batch_threshold:
-            split = (common.num_reqs, 0, num_tokens, 0)
+        if slot_mapping.shape[0] < num_tokens:
+            raise ValueError(
+                f"slot_mapping has {slot_mapping.shape[0]} entries for "
+                f"{num_tokens} tokens (num_actual_tokens)."
+            )
+        qsl_host = _checked_host_copy("query_start_loc_cpu", common.query_start_loc_cpu,
+                                      num_reqs + 1)
+        seq_lens_host = _checked_host_copy("seq_lens_cpu", common.seq_lens_cpu,
+                                           int(seq_lens_arr.shape[0]))
+        for name, values in (("query_start_loc", v.host_values(qsl_arr)),
+                             ("query_start_loc_cpu", qsl_host)):
+            if values is not None and values.size:
+                if values[0] < 0 or np.any(np.diff(values) < 0):
+                    raise ValueError(f"{name} must start at >= 0 and never decrease, got "
+                                     f"{values.tolist()}.")
+                if values[-1] > num_tokens:
+                    raise ValueError(f"{name} ends at {int(values[-1])}, past num_actual_tokens="
+                                     f"{num_tokens}.")
+        for name, values in (("seq_lens", v.host_values(seq_lens_arr)),
+                             ("seq_lens_cpu", seq_lens_host)):
+            if values is not None and np.any(values < 0):
+                raise ValueError(f"{name} must be >= 0, got {values.tolist()}.")
+        if max_query_len <= self.reorder_batch_threshold:
+            split = (num_reqs, 0, num_tokens, 0)
         else:
-            qsl = _host_ints("query_start_loc", common.query_start_loc_cpu, common.query_start_loc)
-            split = split_decodes_and_prefills(qsl, common.max_query_len, num_tokens,
+            qsl = _host_ints("query_start_loc", qsl_host, qsl_arr)
+            split = split_decodes_and_prefills(qsl, max_query_len, num_tokens,
                                                self.reorder_batch_threshold)
         num_decodes, num_prefills, num_decode_tokens, _ = split
         prefill_max_seq_len = 0
         if num_prefills:
-            seq_lens = _host_ints("seq_lens", common.seq_lens_cpu, common.seq_lens)
-            prefill_max_seq_len = int(seq_lens[num_decodes:].max())
+            seq_lens = _host_ints("seq_lens", seq_lens_host, seq_lens_arr)
+            prefill_max_seq_len = int(seq_lens[num_decodes:].max(initial=0))
         return FlashInferMLASparseMetadata(
-            query_start_loc=common.query_start_loc,
-            slot_mapping=common.slot_mapping[:num_tokens],
-            block_table=common.block_table_tensor,
-            req_id_per_token=req_id_per_token(common.query_start_loc, num_tokens),
-            seq_lens=common.seq_lens,
-            num_reqs=common.num_reqs,
-            max_query_len=common.max_query_len,
-            max_seq_len=common.max_seq_len,
+            query_start_loc=qsl_arr,
+            slot_mapping=slot_mapping[:num_tokens],
+            block_table=table,
+            req_id_per_token=req_id_per_token(qsl_arr, num_tokens),
+            seq_lens=seq_lens_arr,
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
             num_actual_tokens=num_tokens,
             num_decodes=num_decodes,
             num_prefills=num_prefills,
@@ -206,3 +249,16 @@ class FlashInferMLASparseMetadataBuilder:
             topk_tokens=self.topk_tokens,
             cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
         )
+
+
+def _checked_host_copy(name: str, values, length: int) -> np.ndarray | None:
+    """A host copy (tuple or list of ints, or None) as an int64 array of `length` entries."""
+    if values is None:
+        return None
+    if not isinstance(values, (tuple, list)) or not all(
+            isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_)) for x in values):
+        raise TypeError(f"{name} must be None or a tuple of ints, got {type(values).__name__}: "
+                        f"{v._short(values)}.")
+    if len(values) != length:
+        raise ValueError(f"{name} must have {length} entries, got {len(values)}.")
+    return np.asarray(values, dtype=np.int64)
