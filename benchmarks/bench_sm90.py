@@ -6,9 +6,9 @@ Run: python benchmarks/bench_sm90.py [--out benchmarks/results] [--tokens ..] [-
 In one process, by default for T in {1, 8, 32, 128, 512} x H in {16, 64, 128}, K = 2048, bf16 cache,
 and T in {8, 128, 512} x H in {16, 128} with fp8 caches (per-tensor e4m3 "fp8", and "fp8_ds_mla"):
   native            bf16 cache: FlashInfer's Hopper MLA kernel behind our XLA FFI handler (what
-                    implementation="auto" runs), jitted
-  native_bf16       bf16 cache: our bf16 kernel (kernel "sm90_bf16", ffi/sm90/sm90_bf16_kernel.cuh, what
-                    implementation="native" runs), jitted
+                    implementation="auto" and "native" run), jitted
+  native_bf16       bf16 cache: our bf16 kernel (kernel "sm90_bf16", ffi/sm90/sm90_bf16_kernel.cuh,
+                    called by name: neither implementation picks it), jitted
   native_fp8        jax.jit(sparse_mla_decode(..., implementation="native")) with an fp8 cache: our fp8
                     kernels (ffi/sm90/sm90_fp8_kernel.cuh, sm90_fp8_wide_kernel.cuh)
   native_fa3_fp8    FlashInfer's Hopper MLA kernel on the per-tensor fp8 cache behind our handler

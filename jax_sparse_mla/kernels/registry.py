@@ -114,11 +114,16 @@ def mask_empty_rows(out: jax.Array, lse: jax.Array, empty_rows: jax.Array) -> tu
             jnp.where(empty, -jnp.inf, lse))
 
 
-def register_kernel(kernel: SparseMLAKernel) -> None:
-    """Adds a kernel; native kernels registered later take precedence for their devices."""
+def register_kernel(kernel: SparseMLAKernel, *, lowest_precedence: bool = False) -> None:
+    """Adds a kernel; native kernels registered later take precedence for their devices.
+    lowest_precedence: below every kernel registered so far (a kernel that "native" runs only where
+    no other native kernel fits)."""
     if any(k.name == kernel.name for k in _KERNELS):
         raise ValueError(f"a kernel named {kernel.name!r} is already registered.")
-    _KERNELS.append(kernel)
+    if lowest_precedence:
+        _KERNELS.insert(0, kernel)
+    else:
+        _KERNELS.append(kernel)
 
 
 def registered_kernels() -> tuple[SparseMLAKernel, ...]:
@@ -168,7 +173,7 @@ def _build_reason(available: Callable[[], bool], check: Callable | None, problem
 
 _Kernel = TypeVar("_Kernel")
 # Why "auto" passes over a kernel registered with validated=False.
-UNVALIDATED = "not yet validated on its GPU (implementation='native' runs it)"
+UNVALIDATED = "not validated on its GPU (implementation='native' may run it where it fits)"
 
 
 def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_Kernel], str | None],
