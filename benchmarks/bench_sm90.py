@@ -7,8 +7,6 @@ In one process, by default for T in {1, 8, 32, 128, 512} x H in {16, 64, 128}, K
 and T in {8, 128, 512} x H in {16, 128} with fp8 caches (per-tensor e4m3 "fp8", and "fp8_ds_mla"):
   native            bf16 cache: FlashInfer's Hopper MLA kernel behind our XLA FFI handler (what
                     implementation="auto" and "native" run), jitted
-  native_bf16       bf16 cache: our bf16 kernel (kernel "sm90_bf16", ffi/sm90/sm90_bf16_kernel.cuh,
-                    called by name: neither implementation picks it), jitted
   native_fp8        jax.jit(sparse_mla_decode(..., implementation="native")) with an fp8 cache: our fp8
                     kernels (ffi/sm90/sm90_fp8_kernel.cuh, sm90_fp8_wide_kernel.cuh)
   native_fa3_fp8    FlashInfer's Hopper MLA kernel on the per-tensor fp8 cache behind our handler
@@ -132,11 +130,10 @@ def decode(q, cache, indices, implementation, kernel, kwargs):
 
 
 # Backend name -> (implementation, registered kernel name or None for the op's own choice).
-BACKENDS = {"native": ("native", "sm90_flashinfer_fa3"), "native_bf16": ("native", "sm90_bf16"),
-            "native_fp8": ("native", None), "native_fa3_fp8": ("native", "sm90_flashinfer_fa3"),
-            "xla": ("xla", None)}
+BACKENDS = {"native": ("native", "sm90_flashinfer_fa3"), "native_fp8": ("native", None),
+            "native_fa3_fp8": ("native", "sm90_flashinfer_fa3"), "xla": ("xla", None)}
 # The backends timed per cache layout (beside FlashInfer from torch).
-LAYOUT_BACKENDS = {"bf16": ("native", "native_bf16", "xla"),
+LAYOUT_BACKENDS = {"bf16": ("native", "xla"),
                    "fp8": ("native_fp8", "native_fa3_fp8", "xla"),
                    "fp8_ds_mla": ("native_fp8", "xla")}
 
@@ -224,8 +221,8 @@ def plot(rows, path):
 
     panels = sorted({(r["kv_dtype"], r["H"]) for r in rows})
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
-    colors = {"native": "C0", "native_bf16": "C5", "native_fp8": "C3", "native_fa3_fp8": "C4",
-              "flashinfer_torch": "C1", "xla": "C2"}
+    colors = {"native": "C0", "native_fp8": "C3", "native_fa3_fp8": "C4", "flashinfer_torch": "C1",
+              "xla": "C2"}
     for ax, (kv_dtype, heads) in zip(axes[0], panels):
         for backend, color in colors.items():
             pts = sorted((r["T"], r["us"]) for r in rows if r["backend"] == backend

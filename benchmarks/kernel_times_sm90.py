@@ -10,13 +10,13 @@ Run under Nsight Compute, which times each kernel on its own (no launch gaps, no
 
 For each T x H (K = 2048, the realistic layout of bench_sm90.py), in this order: `--calls` jitted
 calls of each native backend of bench_sm90.py for the cache (bf16: "native", PackAndClamp then
-FlashInfer's BatchMLAPageAttentionHopperKernel as compiled by this package's build, and "native_bf16",
-our SparseMlaBf16DecodeKernel; fp8: "native_fp8", our SparseMlaFp8DecodeKernel, or
-SparseMlaFp8WideDecodeKernel with more than 16 heads, and "native_fa3_fp8"; fp8_ds_mla: "native_fp8";
-our kernels followed by MergeSplitsKernel when the plan splits) and, for bf16 and fp8 caches, as many
-BatchMLAPagedAttentionWrapper(backend="fa3").run() calls (the same FlashInfer kernel as compiled by
-FlashInfer's JIT). The script prints the order; ncu prints the times. `--summarize` reads ncu's CSV
-output and prints the median, min and max time per kernel and grid.
+FlashInfer's BatchMLAPageAttentionHopperKernel as compiled by this package's build; fp8: "native_fp8",
+our SparseMlaFp8DecodeKernel, or SparseMlaFp8WideDecodeKernel with more than 16 heads, and
+"native_fa3_fp8"; fp8_ds_mla: "native_fp8"; our kernels followed by MergeSplitsKernel when the plan
+splits) and, for bf16 and fp8 caches, as many BatchMLAPagedAttentionWrapper(backend="fa3").run()
+calls (the same FlashInfer kernel as compiled by FlashInfer's JIT). The script prints the order; ncu
+prints the times. `--summarize` reads ncu's CSV output and prints the median, min and max time per
+kernel and grid.
 """
 
 from __future__ import annotations

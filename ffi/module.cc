@@ -39,7 +39,6 @@ nb::dict Registrations() {
   targets["jax_sparse_mla_sm90_decode_bf16"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeBf16);
   targets["jax_sparse_mla_sm90_decode_fp8"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeFp8);
   targets["jax_sparse_mla_sm90_fp8_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm90Fp8Decode);
-  targets["jax_sparse_mla_sm90_bf16_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm90Bf16Decode);
   targets["jax_sparse_mla_sm90_paged_mqa_logits"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogits);
   targets["jax_sparse_mla_sm90_mqa_logits"] = EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogits);
@@ -76,7 +75,6 @@ std::vector<std::string> CommandBufferTargets() {
   names.push_back("jax_sparse_mla_sm90_decode_bf16");
   names.push_back("jax_sparse_mla_sm90_decode_fp8");
   names.push_back("jax_sparse_mla_sm90_fp8_decode");
-  names.push_back("jax_sparse_mla_sm90_bf16_decode");
   names.push_back("jax_sparse_mla_sm90_paged_mqa_logits");
   names.push_back("jax_sparse_mla_sm90_mqa_logits");
   names.push_back("jax_sparse_mla_sm90_paged_mqa_logits_wgmma");

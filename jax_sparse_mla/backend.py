@@ -279,8 +279,7 @@ class FlashInferMLASparseSM120Backend(_FlashInferMLASparseBackendBase):
 
 class FlashInferMLASparseSM90Backend(_FlashInferMLASparseBackendBase):
     """SM90 (H100/H200): FlashInfer's Hopper MLA kernel used as a top-k kernel (page_size = 1) for bf16
-    caches (our own bf16 kernel, sm90_bf16.py, is run by name only while it races), and our own fp8
-    kernels (sm90_fp8.py) for per-tensor e4m3 and fp8_ds_mla caches.
+    caches, and our own fp8 kernels (sm90_fp8.py) for per-tensor e4m3 and fp8_ds_mla caches.
 
     Not in vLLM's target era; modelled on vLLM 0.34's FLASHINFER_MLA_SPARSE_SM90. bf16 query.
     """

@@ -1,6 +1,5 @@
-// PTX wrappers for the SM90 kernels' asynchronous copies: shared-memory addresses, mbarriers, bulk
-// copies by the copy engine and 16-byte cp.async copies. Shared by our decode kernels and the
-// indexer kernels.
+// PTX wrappers for the SM90 kernels' asynchronous copies: shared-memory addresses, mbarriers and
+// bulk copies by the copy engine. Shared by our fp8 decode kernels and the indexer kernels.
 #pragma once
 
 #include <cstdint>
@@ -52,27 +51,6 @@ __device__ __forceinline__ void CopyBulk(void* dst, const void* src, uint32_t by
           "r"(SmemAddress(dst)),
       "l"(src), "r"(bytes), "r"(SmemAddress(barrier))
       : "memory");
-}
-
-// 16 bytes from global `source` into shared `destination` (both 16-byte aligned), or 16 zero bytes
-// when `valid` is false: a source size of 0 reads nothing, so `source` then only has to be some
-// address of the same allocation. Cached in L2 only (.cg).
-__device__ __forceinline__ void CopyAsync16(void* destination, const void* source, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(SmemAddress(destination)),
-               "l"(source), "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// An arrival on `barrier` triggered once every cp.async this thread has issued so far completed.
-// .noinc: the arrival is one of the arrivals the barrier was initialised to expect.
-__device__ __forceinline__ void ArriveOnCopies(uint64_t* barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(SmemAddress(barrier))
-               : "memory");
-}
-
-// Waits until every cp.async this thread issued has completed.
-__device__ __forceinline__ void WaitAllCopies() {
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 }  // namespace jax_sparse_mla::sm90

@@ -44,6 +44,5 @@ cudaError_t LaunchFp8(KvLayout layout, int heads_per_cta, const DecodeParams& pa
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxSparseMlaSm90Fp8Decode,
-    (jax_sparse_mla::fp8::Decode<jax_sparse_mla::fp8::LaunchFp8,
-                                 jax_sparse_mla::fp8::RowsLayouts::kFp8>),
+    jax_sparse_mla::fp8::Decode<jax_sparse_mla::fp8::LaunchFp8>,
     jax_sparse_mla::fp8::DecodeBinding(), {xla::ffi::Traits::kCmdBufferCompatible});

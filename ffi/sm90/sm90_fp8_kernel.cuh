@@ -64,12 +64,10 @@ inline constexpr int kMaxKeysPerSplit = 2048;
 enum class KvLayout : int {
   kE4m3 = 0,   // 576 e4m3 values, one per-tensor scale (applied outside the kernel's dequant)
   kDsMla = 1,  // 512 e4m3 + 4 fp32 scales (one per 128 latent values) + 64 bf16 RoPE = 656 bytes
-  kBf16 = 2,   // 576 bf16 values (1152 bytes): the bf16 kernel (sm90_bf16_kernel.cuh)
 };
 
 template <KvLayout kLayout>
-inline constexpr int kRowBytes =
-    kLayout == KvLayout::kE4m3 ? 576 : (kLayout == KvLayout::kDsMla ? 656 : 1152);
+inline constexpr int kRowBytes = kLayout == KvLayout::kE4m3 ? 576 : 656;
 
 struct DecodeParams {
   const __nv_bfloat16* q;       // [T, H, 576]
@@ -106,7 +104,6 @@ __device__ __forceinline__ SplitRange SplitOf(const DecodeParams& p, int token, 
 
 template <KvLayout kLayout_>
 struct TileConfig {
-  static_assert(kLayout_ != KvLayout::kBf16, "bf16 rows run on sm90_bf16_kernel.cuh");
   static constexpr int kHeads = 16;  // one 16-row MMA tile
   static constexpr KvLayout kLayout = kLayout_;
   static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;

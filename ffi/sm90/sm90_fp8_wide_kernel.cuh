@@ -1,7 +1,6 @@
 // Sparse MLA decode over an fp8 cache (per-tensor e4m3 or fp8_ds_mla rows) for SM90 with 64 heads
 // per CTA and warpgroup MMAs, for H > 16 (where the 16-head kernel of sm90_fp8_kernel.cuh would
-// convert every row once per 16 heads and feed mma.sync from registers). The bf16 kernel
-// (sm90_bf16_kernel.cuh) shares its operand layout, Q load, P V steps and epilogue.
+// convert every row once per 16 heads and feed mma.sync from registers).
 //
 // One CTA of three warpgroups computes 64 heads of one query token over one split of its top-k slot
 // list:
@@ -167,32 +166,31 @@ __device__ __forceinline__ void RunMma(uint64_t a, uint64_t b, float (&d)[kRegs]
 
 // Operand types per cache layout: e4m3 rows convert exactly to f16, and Q meets them as f16 after
 // a power-of-two row scale; fp8_ds_mla rows are dequantised to bf16 (value times tile scale,
-// rounded once) next to their bf16 RoPE dims, bf16 rows (sm90_bf16_kernel.cuh) are used as they
-// are, and Q stays bf16 for both. P takes the operands' type.
+// rounded once) next to their bf16 RoPE dims, and Q stays bf16. P takes the operands' type.
 template <KvLayout kLayout>
 struct Operands {
-  static constexpr bool kBf16 = kLayout != KvLayout::kE4m3;  // bf16 operands, else f16
+  static constexpr bool kDsMla = kLayout == KvLayout::kDsMla;
   using ScoresMma = std::conditional_t<
-      kBf16,
+      kDsMla,
       cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                     cute::SM90::GMMA::Major::K>,
       cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
                                                   cute::SM90::GMMA::Major::K>>;
   using ValuesMma = std::conditional_t<
-      kBf16,
+      kDsMla,
       cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K,
                                                      cute::SM90::GMMA::Major::MN>,
       cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K,
                                                    cute::SM90::GMMA::Major::MN>>;
   // P V with P from registers (warpgroup 0, which computed it).
   using ValuesMmaRs = std::conditional_t<
-      kBf16,
+      kDsMla,
       cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,
                                                      cute::SM90::GMMA::Major::MN>,
       cute::SM90::GMMA::MMA_64x256x16_F32F16F16_RS<cute::SM90::GMMA::Major::K,
                                                    cute::SM90::GMMA::Major::MN>>;
   __device__ static uint32_t Pack(float low, float high) {
-    return kBf16 ? PackBf16(low, high) : PackF16(low, high);
+    return kDsMla ? PackBf16(low, high) : PackF16(low, high);
   }
 };
 
@@ -288,8 +286,9 @@ __device__ __forceinline__ int AccumulatorRow(int thread, int i) {
 
 // The CTA's Q rows as the wgmma operand at `query` (kOperandBytes): for e4m3 rows as f16, each
 // scaled by the power of two that puts its largest |q| in [2^14, 2^15) (as ScaleQueryRows does),
-// with 1 / that scale per row into `query_unscale`; for bf16 operands as they are (unscale 1). Rows
-// past num_heads are zero. Run by the 256 consumer threads; returns once all of them have written Q.
+// with 1 / that scale per row into `query_unscale`; for fp8_ds_mla rows as they are (bf16,
+// unscale 1). Rows past num_heads are zero. Run by the 256 consumer threads; returns once all of
+// them have written Q.
 template <KvLayout kLayout>
 __device__ __forceinline__ void LoadQuery(uint8_t* query, const DecodeParams& p, int token,
                                           int head_begin, int thread, float* query_unscale) {
@@ -559,7 +558,6 @@ __device__ __forceinline__ void WriteOutput(const float (&out)[128], const Decod
 // whose producers share the conversion of each tile.
 template <KvLayout kLayout, bool kPaired>
 __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(const DecodeParams p) {
-  static_assert(kLayout != KvLayout::kBf16, "bf16 rows run on sm90_bf16_kernel.cuh");
   using ScoresMma = typename Operands<kLayout>::ScoresMma;
   using ValuesMma = typename Operands<kLayout>::ValuesMma;
   using ValuesMmaRs = typename Operands<kLayout>::ValuesMmaRs;

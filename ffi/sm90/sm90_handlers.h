@@ -10,6 +10,3 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90DecodeFp8);
 // Sparse MLA decode, bf16 query, fp8 cache (per-tensor e4m3 [N, 576] or fp8_ds_mla uint8 [N, 656]),
 // our own kernel (sm90_fp8_kernel.cuh).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90Fp8Decode);
-// Sparse MLA decode, bf16 query, bf16 [N, 576] cache, our own kernel (the 64-head kernel of
-// sm90_fp8_wide_kernel.cuh).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90Bf16Decode);

@@ -1,7 +1,7 @@
-// The XLA FFI handler shared by our own SM90 decode kernels (instantiated by sm90_fp8_decode.cu for
-// fp8 caches and sm90_bf16_decode.cu for bf16 caches, each with its kernels' launch): argument
-// checks, the kernel parameters, one launch of the decode kernel and, when the plan splits the slot
-// list, one launch of the merge. No host synchronisation, no allocation (partials are XLA scratch).
+// The XLA FFI handler of our own SM90 decode kernels (instantiated by sm90_fp8_decode.cu with its
+// kernels' launch): argument checks, the kernel parameters, one launch of the decode kernel and,
+// when the plan splits the slot list, one launch of the merge. No host synchronisation, no
+// allocation (partials are XLA scratch).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -43,7 +43,7 @@ cudaError_t LaunchDecodeKernel(const DecodeParams& params, cudaStream_t stream) 
   return cudaLaunchKernelEx(&config, kKernel, params);
 }
 
-// Launches the decode kernel of `layout` for `heads_per_cta` (checked: 16 or 64, 64 for bf16).
+// Launches the decode kernel of `layout` for `heads_per_cta` (checked: 16 or 64).
 using LaunchDecode = cudaError_t (*)(KvLayout layout, int heads_per_cta,
                                      const DecodeParams& params, cudaStream_t stream);
 
@@ -51,12 +51,9 @@ inline ffi::Error DecodeArgumentError(const std::string& what) {
   return ffi::Error::InvalidArgument("sparse_mla sm90 decode: " + what);
 }
 
-// The cache layouts one handler accepts in its `layout` attribute: kE4m3 or kDsMla, or kBf16 alone.
-enum class RowsLayouts { kFp8, kBf16 };
-
-// The handler of our decode kernels, launched by kLaunch. kv_rows: [N, 576] float8_e4m3fn (kE4m3),
-// [N, 656] uint8 (kDsMla) or [N, 576] bf16 (kBf16).
-template <LaunchDecode kLaunch, RowsLayouts kRowsLayouts>
+// The handler of our decode kernels, launched by kLaunch. kv_rows: [N, 576] float8_e4m3fn (kE4m3)
+// or [N, 656] uint8 (kDsMla).
+template <LaunchDecode kLaunch>
 ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer kv_rows,
                   ffi::Buffer<ffi::S32> indices, ffi::Buffer<ffi::S32> valid_counts,
                   ffi::ResultBuffer<ffi::BF16> out, ffi::ResultBuffer<ffi::F32> lse,
@@ -64,13 +61,9 @@ ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer 
                   int64_t layout_attribute, int64_t heads_per_cta, int64_t num_splits,
                   int64_t keys_per_split, float score_scale_log2, float out_scale,
                   bool lse_base_e) {
-  if (kRowsLayouts == RowsLayouts::kBf16
-          ? layout_attribute != static_cast<int64_t>(KvLayout::kBf16)
-          : layout_attribute != static_cast<int64_t>(KvLayout::kE4m3) &&
-                layout_attribute != static_cast<int64_t>(KvLayout::kDsMla)) {
-    return DecodeArgumentError(kRowsLayouts == RowsLayouts::kBf16
-                                   ? "layout must be 2 (bf16)"
-                                   : "layout must be 0 (e4m3) or 1 (fp8_ds_mla)");
+  if (layout_attribute != static_cast<int64_t>(KvLayout::kE4m3) &&
+      layout_attribute != static_cast<int64_t>(KvLayout::kDsMla)) {
+    return DecodeArgumentError("layout must be 0 (e4m3) or 1 (fp8_ds_mla)");
   }
   const auto layout = static_cast<KvLayout>(layout_attribute);
   const auto q_dims = q.dimensions();
@@ -85,9 +78,6 @@ ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer 
     row_values = kRowBytes<KvLayout::kDsMla>;
     kv_type = ffi::DataType::U8;
     kv_shape = "kv must be uint8 [N, 656]";
-  } else if (layout == KvLayout::kBf16) {
-    kv_type = ffi::DataType::BF16;
-    kv_shape = "kv must be bfloat16 [N, 576]";
   }
   if (kv_dims.size() != 2 || kv_dims[1] != row_values || kv_rows.element_type() != kv_type) {
     return DecodeArgumentError(kv_shape);
@@ -98,10 +88,8 @@ ffi::Error Decode(cudaStream_t stream, ffi::Buffer<ffi::BF16> q, ffi::AnyBuffer 
   if (valid_counts.dimensions().size() != 1 || valid_counts.dimensions()[0] != num_tokens) {
     return DecodeArgumentError("valid_counts must be [T]");
   }
-  if (layout == KvLayout::kBf16 ? heads_per_cta != 64
-                                : heads_per_cta != 16 && heads_per_cta != 64) {
-    return DecodeArgumentError(layout == KvLayout::kBf16 ? "heads_per_cta must be 64 (bf16 rows)"
-                                                         : "heads_per_cta must be 16 or 64");
+  if (heads_per_cta != 16 && heads_per_cta != 64) {
+    return DecodeArgumentError("heads_per_cta must be 16 or 64");
   }
   const int64_t num_keys = index_dims[1];
   if (num_splits < 1 || keys_per_split < 1 || keys_per_split > kMaxKeysPerSplit ||

@@ -114,16 +114,11 @@ def mask_empty_rows(out: jax.Array, lse: jax.Array, empty_rows: jax.Array) -> tu
             jnp.where(empty, -jnp.inf, lse))
 
 
-def register_kernel(kernel: SparseMLAKernel, *, lowest_precedence: bool = False) -> None:
-    """Adds a kernel; native kernels registered later take precedence for their devices.
-    lowest_precedence: below every kernel registered so far (a kernel that "native" runs only where
-    no other native kernel fits)."""
+def register_kernel(kernel: SparseMLAKernel) -> None:
+    """Adds a kernel; native kernels registered later take precedence for their devices."""
     if any(k.name == kernel.name for k in _KERNELS):
         raise ValueError(f"a kernel named {kernel.name!r} is already registered.")
-    if lowest_precedence:
-        _KERNELS.insert(0, kernel)
-    else:
-        _KERNELS.append(kernel)
+    _KERNELS.append(kernel)
 
 
 def registered_kernels() -> tuple[SparseMLAKernel, ...]:

@@ -25,8 +25,7 @@ float32); e4m3 values convert exactly in both kernels.
 
 Work split: one CTA per (token, group of 16 or 64 heads, split of the top-k list). A static plan
 per shape (T, H, K, SM count) adds splits when the tokens alone would leave SMs idle; a merge kernel
-combines them. bf16 caches run FlashInfer's kernel (`sm90.py`) or our bf16 kernel (`sm90_bf16.py`,
-which shares this module's plan and call).
+combines them. The bf16 path stays on FlashInfer's kernel (`sm90.py`).
 """
 
 from __future__ import annotations
@@ -60,45 +59,41 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=512)
-def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int,
-         bf16_rows: bool = False) -> Plan:
+def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> Plan:
     """Static work split for T tokens x H heads over K slots on a GPU with `sm_count` SMs.
 
     Splits only when T x head groups is below one CTA per SM, keeping at least two tiles per split
     (each CTA also loads its queries), and always enough to keep a split within MAX_KEYS_PER_SPLIT.
-    bf16_rows: the plan of the bf16 kernel (ffi/sm90/sm90_bf16_kernel.cuh), which has no 16-head
-    form and steps through two tiles at a time: 64 heads per CTA at every H, and splits of whole
-    tile pairs (an odd tile count would end each split on a pair with an empty second tile).
     """
     # More than 16 heads: the 64-head warpgroup-MMA kernel (sm90_fp8_wide_kernel.cuh). At 32 heads
     # it took 93.3 / 96.1 us (e4m3 / fp8_ds_mla, H200 kernel time, T=128) where a 32-head mma.sync
     # CTA took 92.2 / 117.2.
-    heads_per_cta = 16 if num_heads <= 16 and not bf16_rows else 64
-    tiles_per_step = 2 if bf16_rows else 1
+    heads_per_cta = 16 if num_heads <= 16 else 64
     tiles = max(1, -(-num_keys // TILE_KEYS))
     ctas = num_tokens * -(-num_heads // heads_per_cta)
     splits = max(1, min(tiles // 2, sm_count // max(ctas, 1)))
     splits = max(splits, -(-tiles * TILE_KEYS // MAX_KEYS_PER_SPLIT))
     tiles_per_split = -(-tiles // splits)
-    tiles_per_split = -(-tiles_per_split // tiles_per_step) * tiles_per_step
     return Plan(heads_per_cta=heads_per_cta, num_splits=-(-tiles // tiles_per_split),
                 keys_per_split=tiles_per_split * TILE_KEYS)
 
 
-def call_decode(target: str, q, kv_rows, indices, valid_counts, p: Plan, *, lse_base: str,
-                **attributes):
-    """One call of our SM90 decode handler `target` (ffi/sm90/sm90_own_decode.cuh) under plan `p`.
-
-    q: [T, H, 576] bf16; kv_rows: [N, row] in the handler's layout; indices: [T, K] int32;
-    valid_counts: [T] int32 or None. attributes: layout, score_scale_log2 and out_scale (the plan's
-    and lse_base's are added here). Returns out [T, H, 512] bf16 and lse [T, H] float32.
-    """
+def _sm90_fp8_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
+    """Kernel contract in kernels/registry.py; q bf16 or fp8 [T, H, 576], cache fp8 e4m3 [.., .., 576] or
+    uint8 fp8_ds_mla [.., .., 656]."""
     num_tokens, num_heads, _ = q.shape
+    if num_tokens == 0:
+        return (jnp.zeros((0, num_heads, v.MLA_V_DIM), jnp.bfloat16),
+                jnp.zeros((0, num_heads), jnp.float32))
+    ds_mla = kv_cache.dtype == jnp.uint8
+    kv_rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    num_keys = indices.shape[1]
     if valid_counts is None:  # a constant of the executable
-        valid_counts = jnp.full((num_tokens,), indices.shape[1], jnp.int32)
+        valid_counts = jnp.full((num_tokens,), num_keys, jnp.int32)
+    p = plan(num_tokens, num_heads, num_keys, registry.device_sm_count())
     split_rows = (p.num_splits, num_tokens, num_heads) if p.num_splits > 1 else (1,)
     call = jax.ffi.ffi_call(
-        target,
+        TARGET,
         (
             jax.ShapeDtypeStruct((num_tokens, num_heads, v.MLA_V_DIM), jnp.bfloat16),  # out
             jax.ShapeDtypeStruct((num_tokens, num_heads), jnp.float32),  # lse
@@ -111,38 +106,19 @@ def call_decode(target: str, q, kv_rows, indices, valid_counts, p: Plan, *, lse_
         vmap_method="sequential",
     )
     out, lse, _partial_out, _partial_lse = call(
-        q, kv_rows, indices, valid_counts,
+        q.astype(jnp.bfloat16),  # exact for an fp8 query; its q_scale is already in bmm1_scale
+        kv_rows,
+        indices,
+        valid_counts,
+        layout=np.int64(_LAYOUTS["fp8_ds_mla" if ds_mla else "fp8_e4m3"]),
         heads_per_cta=np.int64(p.heads_per_cta),
         num_splits=np.int64(p.num_splits),
         keys_per_split=np.int64(p.keys_per_split),
-        lse_base_e=np.bool_(lse_base == "e"),
-        **attributes,
-    )
-    return out, lse
-
-
-def empty_result(num_heads: int):
-    """out [0, H, 512] bf16 and lse [0, H] float32: T = 0 launches nothing."""
-    return (jnp.zeros((0, num_heads, v.MLA_V_DIM), jnp.bfloat16),
-            jnp.zeros((0, num_heads), jnp.float32))
-
-
-def _sm90_fp8_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
-    """Kernel contract in kernels/registry.py; q bf16 or fp8 [T, H, 576], cache fp8 e4m3 [.., .., 576] or
-    uint8 fp8_ds_mla [.., .., 656]."""
-    num_tokens, num_heads, _ = q.shape
-    if num_tokens == 0:
-        return empty_result(num_heads)
-    ds_mla = kv_cache.dtype == jnp.uint8
-    p = plan(num_tokens, num_heads, indices.shape[1], registry.device_sm_count())
-    return call_decode(
-        TARGET,
-        q.astype(jnp.bfloat16),  # exact for an fp8 query; its q_scale is already in bmm1_scale
-        kv_cache.reshape(-1, kv_cache.shape[-1]), indices, valid_counts, p, lse_base=lse_base,
-        layout=np.int64(_LAYOUTS["fp8_ds_mla" if ds_mla else "fp8_e4m3"]),
         score_scale_log2=np.float32(bmm1_scale * math.log2(math.e)),
         out_scale=np.float32(bmm2_scale),
+        lse_base_e=np.bool_(lse_base == "e"),
     )
+    return out, lse
 
 
 registry.register_kernel(registry.SparseMLAKernel(

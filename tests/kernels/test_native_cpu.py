@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import native, registry, sm120, sm90_bf16, sm90_fp8
+from jax_sparse_mla.kernels import native, registry, sm120, sm90_fp8
 from jax_sparse_mla.kernels import sm100_trtllm_gen as trtllm_gen
 from jax_sparse_mla.kernels.registry import Problem
 from requirements import require_native
@@ -28,7 +28,6 @@ FAMILY_TARGETS = {
         "jax_sparse_mla_sm90_decode_bf16",
         "jax_sparse_mla_sm90_decode_fp8",
         "jax_sparse_mla_sm90_fp8_decode",
-        "jax_sparse_mla_sm90_bf16_decode",
         "jax_sparse_mla_sm90_paged_mqa_logits",
         "jax_sparse_mla_sm90_mqa_logits",
         "jax_sparse_mla_sm90_paged_mqa_logits_wgmma",
@@ -165,36 +164,6 @@ def test_sm90_fp8_plan_covers_every_key(num_tokens, num_heads, num_keys):
     assert p.num_splits <= max(1, -(-num_keys // 2048), 132 // ctas)
 
 
-@pytest.mark.parametrize("num_tokens", [1, 2, 7, 128, 8192])
-@pytest.mark.parametrize("num_heads", [1, 16, 128, 192])
-@pytest.mark.parametrize("num_keys", [0, 1, 64, 2048, 2049, 4224])
-def test_sm90_bf16_plan_is_64_heads_per_cta_and_whole_tile_pairs(num_tokens, num_heads, num_keys):
-    p = sm90_fp8.plan(num_tokens, num_heads, num_keys, 132, bf16_rows=True)
-    assert p.heads_per_cta == 64
-    assert p.keys_per_split % 128 == 0 and 0 < p.keys_per_split <= 2048
-    assert p.num_splits * p.keys_per_split >= num_keys
-    assert (p.num_splits - 1) * p.keys_per_split < max(num_keys, 1)
-    # The fp8 64-head plan, its splits widened to whole pairs where they held an odd tile count.
-    fp8 = sm90_fp8.plan(num_tokens, max(num_heads, 17), num_keys, 132)
-    assert p.num_splits <= fp8.num_splits
-    assert fp8.keys_per_split <= p.keys_per_split <= fp8.keys_per_split + 64
-
-
-def test_sm90_bf16_is_picked_by_neither_implementation(fake_gpu):
-    """Our bf16 kernel is not racecheck-clean: registered with the lowest precedence, so "native"
-    runs FlashInfer's for bf16 caches, and not validated, so "auto" passes it over too."""
-    ours = next(k for k in registry.registered_kernels() if k.name == "sm90_bf16")
-    assert ours.native and not ours.validated and ours.kv_layouts == ("bfloat16",)
-    names = [k.name for k in registry.registered_kernels()]
-    assert names.index("sm90_bf16") < names.index("sm90_flashinfer_fa3")
-    fake_gpu((9, 0))
-    p = problem(kv_layout="bfloat16", q_dtype="bfloat16")
-    assert registry.select_kernel("bfloat16", "bfloat16", "native", p).name == "sm90_flashinfer_fa3"
-    assert registry.select_kernel("bfloat16", "bfloat16", "auto", p).name == "sm90_flashinfer_fa3"
-    for layout in ("fp8_e4m3", "fp8_ds_mla"):
-        assert registry.select_kernel(layout, "bfloat16", "native").name == "sm90_fp8"
-
-
 @pytest.mark.parametrize("num_heads", [16, 128])
 def test_auto_runs_pure_jax_where_flashinfer_measured_slower(fake_gpu, num_heads):
     """One token over a bf16 cache: FlashInfer's kernel lost to pure JAX in the H200 decode loop, so
@@ -211,28 +180,6 @@ def test_auto_runs_pure_jax_where_flashinfer_measured_slower(fake_gpu, num_heads
     assert registry.select_kernel("bfloat16", "bfloat16", "auto", two).name == "sm90_flashinfer_fa3"
     fp8 = problem(num_tokens=1, num_heads=num_heads, kv_layout="fp8_e4m3")
     assert registry.select_kernel("fp8_e4m3", "bfloat16", "auto", fp8).name == "sm90_fp8"
-
-
-def test_sm90_bf16_lowers_to_its_call(fake_gpu, monkeypatch):
-    """T = 1 at 16 heads: one 64-head CTA per split; K = 2048 splits into 16 ranges of 128 slots
-    (two tiles each) on 132 SMs, whose partials are scratch results of the call (our kernel the
-    only native one for bf16 caches, as the GPU tests run it by name)."""
-    fake_gpu((9, 0))
-    monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
-    monkeypatch.setattr(registry, "_KERNELS", [
-        k for k in registry.registered_kernels()
-        if not (k.native and "bfloat16" in k.kv_layouts and k.name != "sm90_bf16")])
-    q = jax.ShapeDtypeStruct((1, 16, 576), jnp.bfloat16)
-    cache = jax.ShapeDtypeStruct((32, 64, 576), jnp.bfloat16)
-    indices = jax.ShapeDtypeStruct((1, 2048), jnp.int32)
-    text = jax.jit(lambda q, c, i: jsm.sparse_mla_decode(q, c, i, scale=0.125, lse_base="2",
-                                                          implementation="native")
-                   ).lower(q, cache, indices).as_text()
-    assert f"@{sm90_bf16.TARGET}(" in text and "tensor<2048x576xbf16>" in text
-    for attribute in ("heads_per_cta = 64", "num_splits = 16", "keys_per_split = 128",
-                      "lse_base_e = false", "score_scale_log2 = 0.180336"):
-        assert attribute in text, attribute
-    assert "tensor<16x1x16x512xf32>" in text  # split partials
 
 
 def test_auto_falls_back_and_native_explains(fake_gpu):

@@ -1,6 +1,5 @@
-"""GPU tests of the SM90 native kernels for bf16 caches (FlashInfer's Hopper MLA kernel, and our
-bf16 kernel, ffi/sm90/sm90_bf16_kernel.cuh: `bf16_kernel` runs each case on both) and of FlashInfer's kernel over
-per-tensor fp8 caches, each behind an XLA FFI custom call.
+"""GPU tests of the SM90 native kernels for bf16 caches (FlashInfer's Hopper MLA kernel) and per-tensor
+fp8 caches, each behind an XLA FFI custom call.
 
 Each case compares the native kernel with the pure-JAX kernel (implementation="xla") on the same
 inputs: a cache larger than the H200's 60 MB L2 whose unselected rows (row 0 among them) are NaN,
@@ -24,7 +23,6 @@ import pytest
 
 import jax_sparse_mla as jsm
 from gpu_subprocess import assert_sanitizer_clean, run_with_command_buffers
-from jax_sparse_mla.kernels import registry
 from reference import assert_native_matches
 from requirements import gpu_test_marks, sm90_skip_reason
 
@@ -40,25 +38,6 @@ def skip_reason() -> str:
 
 
 pytestmark = gpu_test_marks(skip_reason(), "the SM90 tests")
-
-# The native kernels for bf16 caches: FlashInfer's (what "auto" runs) and ours (sm90_bf16.py).
-BF16_KERNELS = ("sm90_flashinfer_fa3", "sm90_bf16")
-
-
-def keep_only_bf16_kernel(kernels, name: str) -> list:
-    """`kernels` without the native bf16-cache kernels other than `name`."""
-    return [k for k in kernels
-            if not (k.native and "bfloat16" in k.kv_layouts and k.name != name)]
-
-
-@pytest.fixture(params=BF16_KERNELS)
-def bf16_kernel(request, monkeypatch) -> str:
-    """Runs the test with one native kernel for bf16 caches registered: the one implementation=
-    "native" then picks."""
-    monkeypatch.setattr(registry, "_KERNELS",
-                        keep_only_bf16_kernel(registry.registered_kernels(), request.param))
-    assert registry.select_kernel("bfloat16", "bfloat16", "native").name == request.param
-    return request.param
 
 
 @functools.cache
@@ -126,19 +105,8 @@ FP8_GRID = [(1, 128, 2048), (7, 16, 128), (128, 64, 2048), (1024, 16, 2048)]
 
 
 @pytest.mark.parametrize("num_tokens,num_heads,num_keys", BF16_GRID)
-def test_bf16_matches_pure_jax(bf16_kernel, num_tokens, num_heads, num_keys):
+def test_bf16_matches_pure_jax(num_tokens, num_heads, num_keys):
     check_case(num_tokens, num_heads, num_keys, "bf16", "e" if num_tokens % 2 else "2")
-
-
-# Our bf16 kernel at head counts that pad a group (1, 20, 100) or need three groups (192), K beyond
-# one split (4224), and odd tile counts (1 and 3 tiles: the last pair's second tile is empty).
-@pytest.mark.parametrize("num_tokens,num_heads,num_keys", [(1, 1, 64), (5, 20, 2048),
-                                                           (3, 100, 4224), (2, 192, 2048),
-                                                           (2, 64, 192)])
-def test_our_bf16_kernel_at_odd_head_counts(monkeypatch, num_tokens, num_heads, num_keys):
-    monkeypatch.setattr(registry, "_KERNELS",
-                        keep_only_bf16_kernel(registry.registered_kernels(), "sm90_bf16"))
-    check_case(num_tokens, num_heads, num_keys, "bf16", "e")
 
 
 @pytest.mark.parametrize("num_tokens,num_heads,num_keys", FP8_GRID)
@@ -146,18 +114,14 @@ def test_fp8_cache_matches_dequantised_reference(num_tokens, num_heads, num_keys
     check_case(num_tokens, num_heads, num_keys, "fp8", "e" if num_tokens % 2 else "2")
 
 
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp8"])
 @pytest.mark.parametrize("num_tokens,num_heads,num_keys", [(7, 16, 2048), (128, 128, 2048)])
-def test_valid_counts(bf16_kernel, num_tokens, num_heads, num_keys):
-    check_case(num_tokens, num_heads, num_keys, "bf16", "e", valid_counts=True)
-
-
-@pytest.mark.parametrize("num_tokens,num_heads,num_keys", [(7, 16, 2048), (128, 128, 2048)])
-def test_fp8_cache_valid_counts(num_tokens, num_heads, num_keys):
-    check_case(num_tokens, num_heads, num_keys, "fp8", "e", valid_counts=True)
+def test_valid_counts(num_tokens, num_heads, num_keys, kv_dtype):
+    check_case(num_tokens, num_heads, num_keys, kv_dtype, "e", valid_counts=True)
 
 
 @pytest.mark.parametrize("num_heads", [16, 128])
-def test_split_kv_with_empty_splits(bf16_kernel, num_heads):
+def test_split_kv_with_empty_splits(num_heads):
     """T = 1 splits K = 2048 over many work items; short valid counts leave most splits empty."""
     bf16_cache, _, clean = caches()
     rng = np.random.default_rng(num_heads)
@@ -179,12 +143,8 @@ MEMCHECK_GRID = [(1, 16, 128), (3, 128, 256)]
 MEMCHECK_SCRIPT = textwrap.dedent("""
     import test_sm90_fp8_gpu as fp8_cases
     import test_sm90_gpu as cases
-    from jax_sparse_mla.kernels import registry
-    every_kernel = list(registry.registered_kernels())
     for shape in cases.MEMCHECK_GRID:
-        for name in cases.BF16_KERNELS:
-            registry._KERNELS[:] = cases.keep_only_bf16_kernel(every_kernel, name)
-            cases.check_case(*shape, "bf16", "e")
+        cases.check_case(*shape, "bf16", "e")
         for layout in ("fp8", "ds_mla"):
             fp8_cases.check_case(*shape, layout)
     print("MEMCHECK GRID PASSED")
@@ -196,24 +156,6 @@ def test_memcheck_clean(tmp_path):
     """The small grid under compute-sanitizer --tool memcheck: every case matches and the sanitizer
     reports 0 errors."""
     assert_sanitizer_clean(MEMCHECK_SCRIPT, tmp_path)
-
-
-RACECHECK_SCRIPT = textwrap.dedent("""
-    import test_sm90_gpu as cases
-    from jax_sparse_mla.kernels import registry
-    registry._KERNELS[:] = cases.keep_only_bf16_kernel(list(registry.registered_kernels()),
-                                                       "sm90_bf16")
-    cases.check_case(2, 64, 256, "bf16", "e", valid_counts=True)
-    cases.check_case(1, 128, 512, "bf16", "e")  # two 64-head CTAs, splits and their merge
-    print("MEMCHECK GRID PASSED")
-""")
-
-
-@pytest.mark.sanitizer
-def test_our_bf16_kernel_racecheck_clean(tmp_path):
-    """Our bf16 kernel's shared memory (cp.async fills, wgmma reads, P handed between warpgroups)
-    under compute-sanitizer --tool racecheck: 0 hazards."""
-    assert_sanitizer_clean(RACECHECK_SCRIPT, tmp_path, tool="racecheck")
 
 
 def test_fp8_query_and_scales():
@@ -277,14 +219,9 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     import os, sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_sparse_mla as jsm
-    from jax_sparse_mla.kernels import registry
-    import test_sm90_gpu as cases
     rng = np.random.default_rng(0)
-    targets = {"sm90_flashinfer_fa3": "jax_sparse_mla_sm90_decode_bf16",
-               "sm90_bf16": "jax_sparse_mla_sm90_bf16_decode", "sm90_fp8": "jax_sparse_mla_sm90_fp8_decode"}
-    kernel = sys.argv[4]
-    registry._KERNELS[:] = cases.keep_only_bf16_kernel(registry.registered_kernels(), kernel)
-    cache_dtype, target = (jnp.bfloat16 if sys.argv[2] == "bf16" else jnp.float8_e4m3fn), targets[kernel]
+    cache_dtype, target = (jnp.bfloat16, "jax_sparse_mla_sm90_decode_bf16") if sys.argv[2] == "bf16" else (
+        jnp.float8_e4m3fn, "jax_sparse_mla_sm90_fp8_decode")
     cache = jnp.asarray(rng.standard_normal((4096, 576), np.float32), cache_dtype).reshape(64, 64, 576)
     num_heads = int(sys.argv[3])
     q = jnp.asarray(rng.standard_normal((8, num_heads, 576), np.float32), jnp.bfloat16)
@@ -315,14 +252,11 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 """)
 
 
-# fp8 at 128 heads: the 64-head kernel (as our bf16 kernel at every head count).
-@pytest.mark.parametrize("kv_dtype,num_heads,kernel", [
-    ("bf16", 16, "sm90_flashinfer_fa3"), ("bf16", 16, "sm90_bf16"), ("bf16", 128, "sm90_bf16"),
-    ("fp8", 16, "sm90_fp8"), ("fp8", 128, "sm90_fp8")])
-def test_under_command_buffers(tmp_path, kv_dtype, num_heads, kernel):
+# fp8 at 128 heads: the 64-head kernel.
+@pytest.mark.parametrize("kv_dtype,num_heads", [("bf16", 16), ("fp8", 16), ("fp8", 128)])
+def test_under_command_buffers(tmp_path, kv_dtype, num_heads):
     """The handlers claim kCmdBufferCompatible: run them inside XLA command buffers (CUDA graphs)."""
-    result = run_with_command_buffers(COMMAND_BUFFER_SCRIPT, [kv_dtype, str(num_heads), kernel],
-                                      tmp_path)
+    result = run_with_command_buffers(COMMAND_BUFFER_SCRIPT, [kv_dtype, str(num_heads)], tmp_path)
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
     _, error, in_command_buffer, has_nan = line.split()
     assert has_nan == "False"
