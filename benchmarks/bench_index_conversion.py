@@ -39,6 +39,7 @@ import numpy as np
 
 from jax_sparse_mla import convert_req_index_to_global_index, filter_and_convert_dcp_index
 from jax_sparse_mla.kernels.registry import current_device_capability
+from jax_sparse_mla.ops.index_conversion import auto_order
 import records
 from timing import device_times, wall_times
 
@@ -146,7 +147,7 @@ def main() -> None:
     record.save()
     rows = [r for r in record.rows if r["us"] is not None]
     if len(impls) > 1:
-        print("\nfaster per (mode, T) (see index_conversion._select_core):")
+        print("\nfaster per (mode, T), and the first kernel index_conversion.auto_order tries:")
         for mode in MODES:
             for num_tokens in args.tokens:
                 us = {r["impl"]: r["us"] for r in rows
@@ -154,7 +155,9 @@ def main() -> None:
                 if "xla" not in us or len(us) < len(impls):
                     continue
                 best = min(us, key=us.get)
-                print(f"  {mode:>14} T={num_tokens:>5}: {best} ("
+                auto = auto_order(num_tokens, compact=mode != "plain",
+                                  dcp_size=2 if mode == "dcp2_compact" else 1)
+                print(f"  {mode:>14} T={num_tokens:>5}: {best}, auto {auto[0]} ("
                       + ", ".join(f"{impl}/xla time = {us[impl] / us['xla']:.2f}"
                                   for impl in GPU_IMPLEMENTATIONS) + ")")
     print(f"wrote {record.path}")

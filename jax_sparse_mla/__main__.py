@@ -103,15 +103,21 @@ def _attention_lines() -> list[str]:
 
 def _index_conversion_lines() -> list[str]:
     names = {"pallas": "pallas (Triton)", "native": "native (CUDA)"}
-    chosen, passed_over = "xla (pure JAX)", []
-    for name in index_conversion.AUTO_ORDER:
-        why = index_conversion.unavailable_reason(name)
-        if why is None:
-            chosen = names[name]
-            break
-        passed_over.append(f"      not {name}: {why}")
-    return [f"  convert_req_index_to_global_index, filter_and_convert_dcp_index: {chosen}",
-            *passed_over]
+    many = index_conversion.NATIVE_COMPACT_MIN_TOKENS
+    cases = [("in place or counts only", index_conversion.auto_order(1, False, 1)),
+             (f"compact, T < {many} or DCP", index_conversion.auto_order(1, True, 1)),
+             (f"compact, T >= {many}, no DCP", index_conversion.auto_order(many, True, 1))]
+    lines = ["  convert_req_index_to_global_index, filter_and_convert_dcp_index:"]
+    for label, order in cases:
+        chosen, passed_over = "xla (pure JAX)", []
+        for name in order:
+            why = index_conversion.unavailable_reason(name)
+            if why is None:
+                chosen = names[name]
+                break
+            passed_over.append(f"        not {name}: {why}")
+        lines += [f"    {label}: {chosen}", *passed_over]
+    return lines
 
 
 def _indexer_lines() -> list[str]:

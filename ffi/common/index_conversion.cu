@@ -90,7 +90,7 @@ ffi::Error Convert(cudaStream_t stream, ffi::Buffer<ffi::S32> req_id,
       ConvertRowKernel<false><<<static_cast<unsigned>(num_tokens), kThreads, 0, stream>>>(p);
     } else {
       ConvertTileKernel<<<static_cast<unsigned>(tiles_per_row * num_tokens), kThreads, 0,
-                          stream>>>(p, tiles_per_row);
+                          stream>>>(p, FastDivmod::Make(static_cast<uint32_t>(tiles_per_row)));
     }
   }
   const cudaError_t status = cudaGetLastError();

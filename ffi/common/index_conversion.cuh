@@ -19,11 +19,13 @@
 // Two kernels: a tile kernel for the in-place conversion without counts (a CTA maps a
 // kTileElems-wide slice of one row, so small batches still fill the GPU) and a row kernel for
 // counts and/or compaction (a CTA walks its row in tiles; a block-wide scan of each tile's valid
-// counts gives every kept slot its place, so the pack is stable without atomics; the tail is then
-// filled with -1). K is a multiple of 4 (the handler checks it), and rows start 16-byte aligned,
-// so a 4-element vector never straddles a row or the row's end.
+// counts gives every kept slot its place, so the pack is stable without atomics; the kept slots
+// are gathered in shared memory and written out with coalesced stores, -1 after them). K is a
+// multiple of 4 (the handler checks it), and rows start 16-byte aligned, so a 4-element vector
+// never straddles a row or the row's end.
 #pragma once
 
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <cstdint>
 
@@ -117,104 +119,144 @@ __device__ __forceinline__ int32_t Convert(const ConversionParams& p, const RowS
                 : -1;
 }
 
-// Loads the thread's vectors of the tile at `tile` (kVecsPerThread vectors kThreads * kVec apart,
-// so each load instruction of a warp reads 512 contiguous bytes) and converts them.
-// in_row[v]: vector v lies inside the row (K % 4 == 0: all of it or none).
-__device__ __forceinline__ void ConvertTile(const ConversionParams& p, const RowState& s,
-                                            const int32_t* tokens, int64_t tile,
-                                            bool (&in_row)[kVecsPerThread],
-                                            int32_t (&vals)[kElemsPerThread],
-                                            bool (&valid)[kElemsPerThread]) {
+// A thread's share of one tile: kVecsPerThread vectors kThreads * kVec apart, so each load
+// instruction of a warp reads 512 contiguous bytes. in_row[v]: vector v lies inside the row
+// (K % 4 == 0: all of it or none).
+struct TileSlice {
   int4 tok[kVecsPerThread];
-#pragma unroll
-  for (int v = 0; v < kVecsPerThread; ++v) {
-    const int64_t col = tile + v * (kThreads * kVec) + threadIdx.x * kVec;
-    in_row[v] = col < p.top_k;
-    tok[v] = in_row[v] ? __ldg(reinterpret_cast<const int4*>(tokens + col))
-                       : make_int4(-1, -1, -1, -1);
-  }
-#pragma unroll
-  for (int v = 0; v < kVecsPerThread; ++v) {
-    vals[v * kVec + 0] = Convert(p, s, tok[v].x, &valid[v * kVec + 0]);
-    vals[v * kVec + 1] = Convert(p, s, tok[v].y, &valid[v * kVec + 1]);
-    vals[v * kVec + 2] = Convert(p, s, tok[v].z, &valid[v * kVec + 2]);
-    vals[v * kVec + 3] = Convert(p, s, tok[v].w, &valid[v * kVec + 3]);
-  }
-}
-
-__device__ __forceinline__ void StoreTile(int32_t* out, int64_t tile,
-                                          const bool (&in_row)[kVecsPerThread],
-                                          const int32_t (&vals)[kElemsPerThread]) {
-#pragma unroll
-  for (int v = 0; v < kVecsPerThread; ++v) {
-    if (!in_row[v]) continue;
-    const int64_t col = tile + v * (kThreads * kVec) + threadIdx.x * kVec;
-    *reinterpret_cast<int4*>(out + col) =
-        make_int4(vals[v * kVec], vals[v * kVec + 1], vals[v * kVec + 2], vals[v * kVec + 3]);
-  }
-}
-
-// grid (T * tiles_per_row): in place, no counts; CTA b maps tile b % tiles_per_row of row
-// b / tiles_per_row.
-__global__ void __launch_bounds__(kThreads) ConvertTileKernel(const ConversionParams p,
-                                                              int64_t tiles_per_row) {
-  const int64_t row = blockIdx.x / tiles_per_row;
-  const int64_t tile = (blockIdx.x % tiles_per_row) * kTileElems;
-  const RowState s = LoadRow(p, row);
   bool in_row[kVecsPerThread];
   int32_t vals[kElemsPerThread];
   bool valid[kElemsPerThread];
-  ConvertTile(p, s, p.tokens + row * p.top_k, tile, in_row, vals, valid);
-  StoreTile(p.out + row * p.top_k, tile, in_row, vals);
+
+  __device__ __forceinline__ static int64_t Column(int64_t tile, int v) {
+    return tile + v * (kThreads * kVec) + threadIdx.x * kVec;
+  }
+
+  // Issues the loads of the slice's positions. Called before LoadRow, so that these loads and the
+  // row's request id are in flight together rather than one after the other.
+  __device__ __forceinline__ void Load(const ConversionParams& p, const int32_t* tokens,
+                                       int64_t tile) {
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v) {
+      const int64_t col = Column(tile, v);
+      in_row[v] = col < p.top_k;
+      tok[v] = in_row[v] ? __ldg(reinterpret_cast<const int4*>(tokens + col))
+                         : make_int4(-1, -1, -1, -1);
+    }
+  }
+
+  __device__ __forceinline__ void Convert(const ConversionParams& p, const RowState& s) {
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v) {
+      vals[v * kVec + 0] = index_conversion::Convert(p, s, tok[v].x, &valid[v * kVec + 0]);
+      vals[v * kVec + 1] = index_conversion::Convert(p, s, tok[v].y, &valid[v * kVec + 1]);
+      vals[v * kVec + 2] = index_conversion::Convert(p, s, tok[v].z, &valid[v * kVec + 2]);
+      vals[v * kVec + 3] = index_conversion::Convert(p, s, tok[v].w, &valid[v * kVec + 3]);
+    }
+  }
+
+  __device__ __forceinline__ void Store(int32_t* out, int64_t tile) const {
+#pragma unroll
+    for (int v = 0; v < kVecsPerThread; ++v) {
+      if (!in_row[v]) continue;
+      *reinterpret_cast<int4*>(out + Column(tile, v)) =
+          make_int4(vals[v * kVec], vals[v * kVec + 1], vals[v * kVec + 2], vals[v * kVec + 3]);
+    }
+  }
+};
+
+// grid (T * tiles_per_row): in place, no counts; CTA b maps tile b % tiles_per_row of row
+// b / tiles_per_row (32-bit, by multiply-high: a 64-bit division would cost more than the tile's
+// own arithmetic at small T).
+__global__ void __launch_bounds__(kThreads) ConvertTileKernel(const ConversionParams p,
+                                                              FastDivmod tiles_per_row) {
+  uint32_t row, tile_in_row;
+  tiles_per_row.DivMod(blockIdx.x, &row, &tile_in_row);
+  const int64_t tile = int64_t{tile_in_row} * kTileElems;
+  TileSlice slice;
+  slice.Load(p, p.tokens + row * p.top_k, tile);
+  slice.Convert(p, LoadRow(p, row));
+  slice.Store(p.out + row * p.top_k, tile);
 }
 
 // grid (T): one CTA walks its row in tiles of kTileElems; counts and/or stable compaction.
+//
+// Compaction: one block scan per tile places every kept slot. Each thread's two vectors are
+// counted in one scanned word (vector 0's count in the low 16 bits, vector 1's in the high: a
+// tile holds at most 1024 elements of each, so the halves never carry into each other), because
+// vector 0 of every thread precedes vector 1 of every thread in column order. The kept slots are
+// gathered in shared memory first, so the row is written with coalesced stores: when the row is a
+// single tile (K <= kTileElems, the decode case), the whole row, kept slots then -1, goes out in
+// 16-byte stores and no tail pass is needed.
 template <bool kCompact>
 __global__ void __launch_bounds__(kThreads) ConvertRowKernel(const ConversionParams p) {
-  using BlockScan = cub::BlockScan<int, kThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
+  // Warp scans, not the default raking: one barrier, no serial raking step (the row kernel is
+  // latency-bound at small T).
+  using BlockScan = cub::BlockScan<int, kThreads, cub::BLOCK_SCAN_WARP_SCANS>;
+  using BlockReduce = cub::BlockReduce<int, kThreads>;
+  __shared__ union {
+    typename BlockScan::TempStorage scan;
+    typename BlockReduce::TempStorage reduce;
+  } storage;
+  __shared__ alignas(16) int32_t kept_slots[kCompact ? kTileElems : 1];  // the tile's, in order
   const int64_t row = blockIdx.x;
-  const RowState s = LoadRow(p, row);
   const int32_t* tokens = p.tokens + row * p.top_k;
+  TileSlice slice;
+  slice.Load(p, tokens, 0);  // in flight with the row's request id (K >= 1: the handler checks)
+  const RowState s = LoadRow(p, row);
   int32_t* out = p.out + row * p.top_k;
-  int64_t kept = 0;  // valid slots before this tile, the same in every thread
+  const bool single_tile = p.top_k <= kTileElems;
+  int64_t kept = 0;  // valid slots before this tile (in compaction, the same in every thread)
   for (int64_t tile = 0; tile < p.top_k; tile += kTileElems) {
-    bool in_row[kVecsPerThread];
-    int32_t vals[kElemsPerThread];
-    bool valid[kElemsPerThread];
-    ConvertTile(p, s, tokens, tile, in_row, vals, valid);
-    int before = 0, in_tile = 0;
-    // Thread t's elements are not contiguous (two vectors kThreads * kVec apart), so the scan runs
-    // per vector: vector 0 of every thread precedes vector 1 of every thread in column order.
+    if (tile > 0) slice.Load(p, tokens, tile);
+    slice.Convert(p, s);
+    const bool(&valid)[kElemsPerThread] = slice.valid;
+    const int32_t(&vals)[kElemsPerThread] = slice.vals;
     if constexpr (kCompact) {
-      int64_t dest = kept;
+      static_assert(kVecsPerThread == 2 && kThreads * kVec < (1 << 16));
+      const int in_vec0 = valid[0] + valid[1] + valid[2] + valid[3];
+      const int in_vec1 = valid[4] + valid[5] + valid[6] + valid[7];
+      int before, total;
+      BlockScan(storage.scan).ExclusiveSum(in_vec0 | (in_vec1 << 16), before, total);
+      const int total0 = total & 0xffff, in_tile = total0 + (total >> 16);
+      int at[kVecsPerThread] = {before & 0xffff, total0 + (before >> 16)};
 #pragma unroll
       for (int v = 0; v < kVecsPerThread; ++v) {
-        const int in_vec = valid[v * kVec] + valid[v * kVec + 1] + valid[v * kVec + 2] +
-                           valid[v * kVec + 3];
-        BlockScan(scan_storage).ExclusiveSum(in_vec, before, in_tile);
-        int64_t at = dest + before;
 #pragma unroll
         for (int i = 0; i < kVec; ++i) {
-          if (valid[v * kVec + i]) out[at++] = vals[v * kVec + i];
+          if (valid[v * kVec + i]) kept_slots[at[v]++] = vals[v * kVec + i];
         }
-        dest += in_tile;
-        __syncthreads();  // scan_storage is reused by the next scan
       }
-      kept = dest;
+      __syncthreads();  // kept_slots is complete
+      if (single_tile) {
+        for (int col = threadIdx.x * kVec; col < p.top_k; col += kThreads * kVec) {
+          int4 slots;
+          slots.x = col + 0 < in_tile ? kept_slots[col + 0] : -1;
+          slots.y = col + 1 < in_tile ? kept_slots[col + 1] : -1;
+          slots.z = col + 2 < in_tile ? kept_slots[col + 2] : -1;
+          slots.w = col + 3 < in_tile ? kept_slots[col + 3] : -1;
+          *reinterpret_cast<int4*>(out + col) = slots;
+        }
+      } else {
+        for (int j = threadIdx.x; j < in_tile; j += kThreads) out[kept + j] = kept_slots[j];
+        __syncthreads();  // kept_slots and the scan storage are reused by the next tile
+      }
+      kept += in_tile;
     } else {
-      StoreTile(out, tile, in_row, vals);
+      slice.Store(out, tile);
       int mine = 0;
 #pragma unroll
       for (int i = 0; i < kElemsPerThread; ++i) mine += valid[i];
-      BlockScan(scan_storage).ExclusiveSum(mine, before, in_tile);
-      kept += in_tile;
-      __syncthreads();  // scan_storage is reused by the next tile's scan
+      kept += BlockReduce(storage.reduce).Sum(mine);  // meaningful in thread 0 only
+      __syncthreads();  // the reduce storage is reused by the next tile's reduction
     }
   }
   if constexpr (kCompact) {
-    // The tail [kept, K) is -1. The scatter above wrote only below `kept`: disjoint columns.
-    for (int64_t col = kept + threadIdx.x; col < p.top_k; col += kThreads) out[col] = -1;
+    // Rows of several tiles: the tail [kept, K) is -1. The copies above wrote only below `kept`:
+    // disjoint columns.
+    if (!single_tile) {
+      for (int64_t col = kept + threadIdx.x; col < p.top_k; col += kThreads) out[col] = -1;
+    }
   }
   if (p.counts != nullptr && threadIdx.x == 0) p.counts[row] = static_cast<int32_t>(kept);
 }

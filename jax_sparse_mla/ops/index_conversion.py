@@ -7,8 +7,8 @@ goes through the request's block table. Ports vLLM's target-era
 `triton_filter_and_convert_dcp_index` as one vectorised [T, K] computation (no Triton tiling, so
 no tile-order races: compaction is a stable pack). On a CUDA GPU the same public functions run GPU
 kernels instead (same checks, same bits): the Pallas Triton kernels of `index_conversion_pallas` or
-the CUDA kernels of `index_conversion_native` (`auto` runs the first of `AUTO_ORDER` that can run;
-`implementation=` forces any).
+the CUDA kernels of `index_conversion_native` (`auto` runs the first kernel of `auto_order(...)`
+that can run, else pure JAX; `implementation=` forces any).
 
 Per element (N = dcp_size, I = interleave, r = dcp_rank; plain converter: N = 1, r = 0):
 
@@ -49,12 +49,22 @@ BLOCK_N = 128
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "native")
 # The GPU kernels `implementation=` can name.
 GPU_KERNELS = ("pallas", "native")
-# What "auto" runs on a CUDA GPU: the first of these that can run here, else pure JAX. Only kernels
-# whose GPU equality grid passed on the H200 are listed. Pallas: on the H200 it measured faster than
-# the earlier CUDA kernels at every benchmarked shape and mode (docs/benchmarks.md). The CUDA kernels
-# as they are now (8 positions a thread, branch-free gathers, multiply-shift division) have not run
-# on a GPU yet, so where Pallas cannot lower, "auto" falls back to pure JAX.
-AUTO_ORDER = ("pallas",)
+# From this many tokens up, "auto" runs the CUDA row kernel ahead of Pallas for the compacting
+# conversion without the DCP filter: there it measured faster on an H100 and an H200 at T = 8192
+# (and level at T = 1024); everywhere else Pallas measured faster (docs/benchmarks.md).
+NATIVE_COMPACT_MIN_TOKENS = 4096
+
+
+def auto_order(num_tokens: int, compact: bool, dcp_size: int) -> tuple[str, ...]:
+    """The GPU kernels "auto" tries in turn on a CUDA GPU for a call of `num_tokens` rows, before
+    pure JAX: the fastest measured first. The CUDA kernels stand in where Pallas cannot lower only
+    for compaction, where they are 2-4x faster than pure JAX; the in-place conversion falls back to
+    pure JAX, which XLA fuses into one kernel as fast as ours."""
+    if not compact:
+        return ("pallas",)
+    if dcp_size == 1 and num_tokens >= NATIVE_COMPACT_MIN_TOKENS:
+        return ("native", "pallas")
+    return ("pallas", "native")
 
 
 def unavailable_reason(implementation: str) -> str | None:
@@ -72,15 +82,18 @@ def unavailable_reason(implementation: str) -> str | None:
     return index_conversion_pallas.lowering_error()
 
 
-def _select_core(implementation: str):
+def _select_core(implementation: str, *, num_tokens: int, compact: bool, dcp_size: int):
     """Returns the conversion core (`_convert`, or its Pallas or CUDA twin) that `implementation`
     names: "xla" pure JAX; "pallas" / "native" those kernels, or a ValueError saying why they cannot
-    run here; "auto" the first of AUTO_ORDER that can run, else pure JAX. Decided at trace time from
-    the default device, like the attention kernels (kernels/registry.py)."""
+    run here; "auto" the first of `auto_order(num_tokens, compact, dcp_size)` that can run, else
+    pure JAX. Decided at trace time from the default device and the static shape, like the
+    attention kernels (kernels/registry.py)."""
     v.check_str_option("implementation", implementation, IMPLEMENTATIONS)
     if implementation == "xla":
         return _convert
-    for name in AUTO_ORDER if implementation == "auto" else (implementation,):
+    names = (auto_order(num_tokens, compact, dcp_size) if implementation == "auto"
+             else (implementation,))
+    for name in names:
         reason = unavailable_reason(name)
         if reason is None:
             return (index_conversion_native if name == "native" else index_conversion_pallas).convert
@@ -223,8 +236,8 @@ def convert_req_index_to_global_index(
       return_valid_counts: also return the number of valid slots per token.
       compact: pack valid slots to the front of each row in their original order, -1 after;
         False keeps them in place (vLLM's target-era default), holes included.
-      implementation: "auto" (on a CUDA GPU the first of AUTO_ORDER that can run, else pure
-        JAX), "xla" (always pure JAX), "pallas" (the Pallas Triton kernels) or "native" (the CUDA
+      implementation: "auto" (on a CUDA GPU the first kernel of `auto_order` that can run,
+        else pure JAX), "xla" (always pure JAX), "pallas" (the Pallas Triton kernels) or "native" (the CUDA
         kernels of the compiled extension); the last two raise a ValueError where they cannot run.
         Every choice gives the same result, bit for bit.
 
@@ -260,7 +273,8 @@ def convert_req_index_to_global_index(
             )
     else:
         pref_ids = pref_starts = None
-    core = _select_core(implementation)
+    core = _select_core(implementation, num_tokens=token_indices.shape[0], compact=compact,
+                        dcp_size=1)
     num_reqs, num_starts = block_table.shape[0], None if pref_ids is None else pref_starts.shape[0]
     host_pref = None if pref_ids is None else v.host_values(pref_ids)
     if host_pref is not None and (host_pref >= num_starts).any():
@@ -320,8 +334,8 @@ def filter_and_convert_dcp_index(
       return_valid_counts: also return the number of owned, valid slots per token.
       compact: pack the owned slots to the front of each row (stable order), -1 after; False
         leaves each at its original column.
-      implementation: "auto" (on a CUDA GPU the first of AUTO_ORDER that can run, else pure
-        JAX), "xla" (always pure JAX), "pallas" (the Pallas Triton kernels) or "native" (the CUDA
+      implementation: "auto" (on a CUDA GPU the first kernel of `auto_order` that can run,
+        else pure JAX), "xla" (always pure JAX), "pallas" (the Pallas Triton kernels) or "native" (the CUDA
         kernels of the compiled extension); the last two raise a ValueError where they cannot run.
         Every choice gives the same result, bit for bit.
 
@@ -346,7 +360,8 @@ def filter_and_convert_dcp_index(
             f"block_size ({block_size}) must be a multiple of cp_kv_cache_interleave_size "
             f"({interleave})."
         )
-    core = _select_core(implementation)
+    core = _select_core(implementation, num_tokens=token_indices.shape[0], compact=compact,
+                        dcp_size=n)
     _check_request_ids(req_id_per_token, block_table)
     phys, counts = core(
         req_id_per_token, block_table, token_indices, rank, None, None,

@@ -328,19 +328,30 @@ def test_rejects_unknown_implementation(fn):
 
 
 def test_auto_takes_the_first_kernels_that_can_run(monkeypatch):
-    """AUTO_ORDER on a CUDA GPU: Pallas, else pure JAX (the CUDA kernels are not in it until their
-    GPU grid passes); a forced choice runs its kernels or says why it cannot."""
-    reasons = {"pallas": "the Pallas Triton backend is gone", "native": None}
+    """auto_order on a CUDA GPU: the CUDA row kernel first for compaction without DCP from
+    NATIVE_COMPACT_MIN_TOKENS tokens, Pallas first elsewhere; CUDA in Pallas' place only for
+    compaction; then pure JAX. A forced choice runs its kernels or says why it cannot."""
+    many = index_conversion.NATIVE_COMPACT_MIN_TOKENS
+    reasons = {"pallas": None, "native": None}
     monkeypatch.setattr(index_conversion, "unavailable_reason", lambda name: reasons[name])
-    assert index_conversion._select_core("auto") is index_conversion._convert
-    assert index_conversion._select_core("native") is index_conversion_native.convert
-    reasons["pallas"] = None
-    assert index_conversion._select_core("auto") is index_conversion_pallas.convert
-    reasons.update(pallas="the Pallas Triton backend is gone", native="no extension")
-    assert index_conversion._select_core("auto") is index_conversion._convert
+
+    def select(implementation, num_tokens, compact, dcp_size=1):
+        return index_conversion._select_core(implementation, num_tokens=num_tokens,
+                                             compact=compact, dcp_size=dcp_size)
+
+    assert select("auto", many, True) is index_conversion_native.convert
+    assert select("auto", many - 1, True) is index_conversion_pallas.convert
+    assert select("auto", many, True, dcp_size=2) is index_conversion_pallas.convert
+    assert select("auto", many, False) is index_conversion_pallas.convert
+    reasons["pallas"] = "the Pallas Triton backend is gone"
+    assert select("auto", 1, True) is index_conversion_native.convert
+    assert select("auto", 1, False) is index_conversion._convert
+    assert select("native", 1, False) is index_conversion_native.convert
+    reasons["native"] = "no extension"
+    assert select("auto", many, True) is index_conversion._convert
     with pytest.raises(ValueError, match="implementation='native' cannot run the index "
                                          "conversion: no extension"):
-        index_conversion._select_core("native")
+        select("native", 1, True)
 
 
 def test_a_pallas_lowering_failure_is_a_reason_not_an_error(monkeypatch):
