@@ -183,20 +183,24 @@ __device__ __forceinline__ bool ChooseThresholdBin(const uint32_t (&counts)[kBin
   return threshold.count == state->remaining;
 }
 
-// One chunk of the compaction in position order: this thread's kVec keys at positions
-// first + j (relative to the row start) are above the threshold or tied with it as the flags say.
+// One chunk of the compaction in position order: this thread's kKeys keys at positions
+// first + j (relative to the row start) are above the threshold or tied with it as the flags say;
+// thread t's keys precede thread t + 1's. kThreads * kKeys < 2^16, so the two counts share one
+// scanned word.
 // A kept key's output slot is (kept above-threshold keys before it) + min(ties before it, needed);
 // *above_seen and *ties_seen count the keys before this chunk (the same in every thread) and are
 // advanced past it. Returns true once all k slots are written (no later key is kept). Every thread
 // must call it (it synchronises the CTA).
-__device__ __forceinline__ bool CompactChunk(const bool (&is_above)[kVec],
-                                             const bool (&is_tie)[kVec], int64_t first,
+template <int kKeys>
+__device__ __forceinline__ bool CompactChunk(const bool (&is_above)[kKeys],
+                                             const bool (&is_tie)[kKeys], int64_t first,
                                              uint32_t needed, uint32_t want, uint32_t* above_seen,
                                              uint32_t* ties_seen, uint32_t* warp_sums,
                                              int32_t* out) {
+  static_assert(kThreads * kKeys < (1 << 16));
   uint32_t n_above = 0u, n_tie = 0u;
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
+  for (int j = 0; j < kKeys; ++j) {
     n_above += is_above[j];
     n_tie += is_tie[j];
   }
@@ -205,7 +209,7 @@ __device__ __forceinline__ bool CompactChunk(const bool (&is_above)[kVec],
   uint32_t above_before = *above_seen + (before >> 16);
   uint32_t ties_before = *ties_seen + (before & 0xFFFFu);
 #pragma unroll
-  for (int j = 0; j < kVec; ++j) {
+  for (int j = 0; j < kKeys; ++j) {
     if (is_above[j] || (is_tie[j] && ties_before < needed)) {
       const uint32_t slot = above_before + min(ties_before, needed);
       // slot < k by construction; the test only guards memory if that reasoning were wrong.

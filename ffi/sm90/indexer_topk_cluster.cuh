@@ -14,9 +14,9 @@
 //     and the first pass's histogram is built while they arrive;
 //  2. radix passes (11, 11, 10 bits): each CTA histograms its own keys; one cluster barrier; every
 //     CTA sums the C histograms through distributed shared memory (each thread its 4 bins from each
-//     CTA) and finds the same threshold bin, so all CTAs agree without a second barrier. Histograms
-//     are double-buffered: a CTA clears the buffer of the next pass right after the barrier, when
-//     every CTA has finished reading it;
+//     CTA, the C loads in flight together) and finds the same threshold bin, so all CTAs agree
+//     without a second barrier. Histograms are double-buffered: a CTA clears the buffer of the
+//     next pass right after the barrier, when every CTA has finished reading it;
 //  3. compaction: each CTA counts its keys above the threshold and tied with it; one cluster
 //     barrier; each CTA sums the counts of the CTAs before it (lower positions), which is where its
 //     kept positions start in the output, then writes them in position order exactly as the
@@ -31,6 +31,7 @@
 #include <cooperative_groups.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "sm90/indexer_topk.cuh"
 #include "sm90/indexer_topk_plan.h"
@@ -41,6 +42,9 @@ static_assert(kGroupPositions == kVec, "the plan counts the kernel's float4 grou
 
 // Groups whose loads a thread issues together while loading its chunk.
 constexpr int kLoadBatch = 4;
+// Consecutive groups a thread compacts per chunk on long chunks: a chunk costs one block scan
+// (three barriers), so 16 keys a thread take a quarter of the scans of 4.
+constexpr int kCompactGroups = 4;
 
 struct alignas(16) ClusterShared {
   uint32_t hist[2][kBins];  // pass p uses hist[p % 2]; read as uint4 by other CTAs
@@ -141,20 +145,32 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
       uint32_t* next = smem.hist[(pass + 1) & 1];
       for (int i = threadIdx.x; i < kBins; i += kThreads) next[i] = 0u;
     }
+    // Every CTA's 4 bins are requested before any is added: a distributed-shared-memory load
+    // takes hundreds of cycles, and a loop over a run-time `ctas` would wait for each in turn.
+    uint4 remote[kMaxClusterSize];
+#pragma unroll
+    for (int q = 0; q < kMaxClusterSize; ++q) {
+      if (q < ctas) {
+        remote[q] = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist + lowest_bin, q));
+      }
+    }
     uint32_t counts[kBinsPerThread] = {0u, 0u, 0u, 0u};
-    for (uint32_t q = 0; q < ctas; ++q) {
-      const uint4 c = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist + lowest_bin, q));
-      counts[0] += c.w;  // bin lowest_bin + 3 = kBins - 1 - 4 t
-      counts[1] += c.z;
-      counts[2] += c.y;
-      counts[3] += c.x;
+#pragma unroll
+    for (int q = 0; q < kMaxClusterSize; ++q) {
+      if (q < ctas) {
+        counts[0] += remote[q].w;  // bin lowest_bin + 3 = kBins - 1 - 4 t
+        counts[1] += remote[q].z;
+        counts[2] += remote[q].y;
+        counts[3] += remote[q].x;
+      }
     }
     // The same sums in every CTA, so every CTA chooses the same bin and exits at the same pass.
     if (ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen)) break;
   }
 
   // 3. Compaction. This CTA's counts, published for the CTAs after it.
-  auto classify = [&](int j, bool (&is_above)[kVec], bool (&is_tie)[kVec]) {
+  // Group j's flags go to is_above / is_tie [offset, offset + kVec).
+  auto classify = [&](int j, bool* is_above, bool* is_tie, int offset) {
     const uint4 group = j < n_groups ? key_groups[j] : make_uint4(0u, 0u, 0u, 0u);
     const uint32_t key[kVec] = {group.x, group.y, group.z, group.w};
 #pragma unroll
@@ -162,47 +178,73 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
       const int s = j * kVec + e;
       const bool in_row = s >= lo && s < hi;
       const uint32_t masked = key[e] & state.mask;
-      is_above[e] = in_row && masked > state.prefix;
-      is_tie[e] = in_row && masked == state.prefix;
+      is_above[offset + e] = in_row && masked > state.prefix;
+      is_tie[offset + e] = in_row && masked == state.prefix;
     }
   };
   uint32_t n_above = 0u, n_tie = 0u;
   for (int j = threadIdx.x; j < n_groups; j += kThreads) {
     bool is_above[kVec], is_tie[kVec];
-    classify(j, is_above, is_tie);
+    classify(j, is_above, is_tie, 0);
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       n_above += is_above[e];
       n_tie += is_tie[e];
     }
   }
-  uint32_t total_above, total_ties;
-  BlockExclusiveSum(n_above, smem.warp_sums, &total_above);
-  BlockExclusiveSum(n_tie, smem.warp_sums, &total_ties);
+  // Both counts in one scanned word: a CTA holds at most kMaxClusterGroupsPerCta * 4 < 2^16 keys.
+  static_assert(kMaxClusterGroupsPerCta * kVec < (1 << 16));
+  uint32_t totals;
+  BlockExclusiveSum((n_above << 16) | n_tie, smem.warp_sums, &totals);
   if (threadIdx.x == 0) {
-    smem.kept_above = total_above;
-    smem.kept_ties = total_ties;
+    smem.kept_above = totals >> 16;
+    smem.kept_ties = totals & 0xFFFFu;
   }
   cluster.sync();
   uint32_t above_seen = 0u, ties_seen = 0u;  // in the CTAs before this one
-  for (uint32_t q = 0; q < rank; ++q) {
-    above_seen += *cluster.map_shared_rank(&smem.kept_above, q);
-    ties_seen += *cluster.map_shared_rank(&smem.kept_ties, q);
+  uint32_t remote_above[kMaxClusterSize], remote_ties[kMaxClusterSize];  // all requested first
+#pragma unroll
+  for (int q = 0; q < kMaxClusterSize; ++q) {
+    if (q < rank) {
+      remote_above[q] = *cluster.map_shared_rank(&smem.kept_above, q);
+      remote_ties[q] = *cluster.map_shared_rank(&smem.kept_ties, q);
+    }
+  }
+#pragma unroll
+  for (int q = 0; q < kMaxClusterSize; ++q) {
+    if (q < rank) {
+      above_seen += remote_above[q];
+      ties_seen += remote_ties[q];
+    }
   }
   // The last read of another CTA's shared memory: CTAs may leave once everyone has arrived.
   cluster.barrier_arrive();
 
   const uint32_t want = static_cast<uint32_t>(k);
   if (above_seen + min(ties_seen, state.remaining) < want) {
+    // Chunks of G * kThreads groups, thread t taking G consecutive ones so that thread order is
+    // position order: G = kCompactGroups where the CTA's chunk fills such chunks, else 1 (on
+    // short chunks a thread's serial work would outweigh the barriers saved).
+    const auto compact = [&](auto groups_per_thread) {
+      constexpr int kGroups = decltype(groups_per_thread)::value;
+      constexpr int kKeys = kGroups * kVec;
 #pragma unroll 1
-    for (int base = 0; base < n_groups; base += kThreads) {
-      bool is_above[kVec], is_tie[kVec];
-      classify(base + threadIdx.x, is_above, is_tie);
-      const int64_t first = first_position + static_cast<int64_t>(base + threadIdx.x) * kVec;
-      if (CompactChunk(is_above, is_tie, first, state.remaining, want, &above_seen, &ties_seen,
-                       smem.warp_sums, out)) {
-        break;
+      for (int base = 0; base < n_groups; base += kGroups * kThreads) {
+        bool is_above[kKeys], is_tie[kKeys];
+        const int j0 = base + threadIdx.x * kGroups;
+#pragma unroll
+        for (int g = 0; g < kGroups; ++g) classify(j0 + g, is_above, is_tie, g * kVec);
+        const int64_t first = first_position + static_cast<int64_t>(j0) * kVec;
+        if (CompactChunk(is_above, is_tie, first, state.remaining, want, &above_seen, &ties_seen,
+                         smem.warp_sums, out)) {
+          break;
+        }
       }
+    };
+    if (n_groups >= kCompactGroups * kThreads) {
+      compact(std::integral_constant<int, kCompactGroups>{});
+    } else {
+      compact(std::integral_constant<int, 1>{});
     }
   }
   cluster.barrier_wait();
