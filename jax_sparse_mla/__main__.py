@@ -105,8 +105,8 @@ def _index_conversion_lines() -> list[str]:
     names = {"pallas": "pallas (Triton)", "native": "native (CUDA)"}
     many = index_conversion.NATIVE_COMPACT_MIN_TOKENS
     cases = [("in place or counts only", index_conversion.auto_order(1, False, 1)),
-             (f"compact, T < {many} or DCP", index_conversion.auto_order(1, True, 1)),
-             (f"compact, T >= {many}, no DCP", index_conversion.auto_order(many, True, 1))]
+             (f"compact, T < {many}, no DCP", index_conversion.auto_order(1, True, 1)),
+             (f"compact, T >= {many} or DCP", index_conversion.auto_order(many, True, 1))]
     lines = ["  convert_req_index_to_global_index, filter_and_convert_dcp_index:"]
     for label, order in cases:
         chosen, passed_over = "xla (pure JAX)", []

@@ -17,8 +17,8 @@ def test_self_description_names_versions_device_and_every_dispatching_op(capsys)
     for cache in ("bf16", "fp8 (e4m3)", "fp8_ds_mla"):
         assert f"sparse_mla_decode, {cache} cache: " in printed
     assert "convert_req_index_to_global_index, filter_and_convert_dcp_index:" in printed
-    for case in ("in place or counts only: ", "compact, T < 4096 or DCP: ",
-                 "compact, T >= 4096, no DCP: "):
+    for case in ("in place or counts only: ", "compact, T < 128, no DCP: ",
+                 "compact, T >= 128 or DCP: "):
         assert case in printed
     ops = {k.op for k in registry.registered_op_kernels()}
     assert len(ops) == 6

@@ -1,18 +1,13 @@
 // The top-k index conversion (jax_sparse_mla/ops/index_conversion.py) as CUDA kernels: request
 // positions [T, K] -> physical cache slots through the request's block table, with the DCP owner
-// filter, the prefill workspace rows, valid counts and stable compaction. Per element (N = dcp_size,
-// I = interleave, r = rank):
-//
-//   owner = (tok / I) % N                 local = (tok / (N*I)) * I + tok % I
-//   blk, off = divmod(local, block_size)  phys  = block_table[req, blk] * block_size + off
-//   prefill workspace row (pref_id >= 0): phys  = workspace_starts[pref_id] + tok
-//   invalid = tok < 0 | (not prefill & (blk >= W | owner != r))     -> -1
+// filter, the prefill workspace rows, valid counts and stable compaction; the per-position rule is
+// index_conversion_rule.h.
 //
 // The kernels stream two int32 arrays and gather from a small table, so what decides their speed is
 // how many loads each thread has in flight and how few instructions an element costs:
 //  * every thread maps kElemsPerThread = 8 positions (two 16-byte vectors, both loaded before any
-//    is converted), and every lane reads its table entry at a clamped, in-bounds block whether or
-//    not the position is valid, so the eight gathers issue together with no per-lane branch;
+//    is converted), and its eight table gathers are one straight run of loads with no branch
+//    between them (ConvertPositions), so they are in flight together;
 //  * the divisors are runtime attributes, divided by multiply-high and shift (fast_divmod.h), and
 //    tok / (N*I) is computed as (tok / I) / N, which needs only the two divisions owner needs anyway.
 //
@@ -29,95 +24,15 @@
 #include <cub/block/block_scan.cuh>
 #include <cstdint>
 
-#include "common/fast_divmod.h"
+#include "common/index_conversion_rule.h"
 
 namespace jax_sparse_mla::index_conversion {
-
-struct ConversionParams {
-  const int32_t* req_id;       // [T]
-  const int32_t* block_table;  // [R, W]
-  const int32_t* tokens;       // [T, K]
-  const int32_t* rank;         // [1] this DCP rank (read when dcp_size > 1)
-  const int32_t* pref_ids;     // [T] or nullptr
-  const int32_t* pref_starts;  // [P] or nullptr (P = 0)
-  int32_t* out;                // [T, K]
-  int32_t* counts;             // [T] or nullptr
-  int64_t top_k;               // K
-  int32_t num_reqs;            // R
-  int32_t table_width;         // W
-  int32_t num_starts;          // P
-  FastDivmod block_size;
-  FastDivmod dcp_size;         // N
-  FastDivmod interleave;       // I
-};
 
 constexpr int kThreads = 256;
 constexpr int kVec = 4;                                      // int32 per 16-byte access
 constexpr int kVecsPerThread = 2;
 constexpr int kElemsPerThread = kVec * kVecsPerThread;       // 8
 constexpr int kTileElems = kThreads * kElemsPerThread;       // 2048 positions per CTA tile
-
-// What every element of one row shares: the request's table row, the rank, the workspace flag and
-// start.
-struct RowState {
-  const int32_t* table;  // block_table[req] (nullptr when the table has no entry to read)
-  int32_t rank;
-  bool is_pref;
-  int32_t start;
-};
-
-__device__ __forceinline__ RowState LoadRow(const ConversionParams& p, int64_t row) {
-  RowState s;
-  // Request ids are trusted but clipped, as the pure-JAX version does, so a bad id cannot read
-  // outside the table. An empty table (R = 0 or W = 0) reads nothing: every position is then out
-  // of width (blk >= W) or, with R = 0, reads the entry 0, as in the pure-JAX version.
-  const int32_t req = min(max(p.req_id[row], 0), max(p.num_reqs - 1, 0));
-  s.table = p.num_reqs > 0 && p.table_width > 0
-                ? p.block_table + static_cast<int64_t>(req) * p.table_width
-                : nullptr;
-  s.rank = p.dcp_size.divisor > 1 ? p.rank[0] : 0;
-  s.is_pref = false;
-  s.start = 0;
-  if (p.pref_ids != nullptr) {
-    const int32_t pref_id = p.pref_ids[row];
-    s.is_pref = pref_id >= 0;
-    if (p.num_starts > 0) s.start = p.pref_starts[min(max(pref_id, 0), p.num_starts - 1)];
-  }
-  return s;
-}
-
-// One position -> its slot or -1; *valid says which. Products and sums wrap as int32 (JAX's
-// arithmetic), computed unsigned so that the wrap is defined. No branch depends on the lane:
-// dcp_size and is_pref are the same for the whole CTA.
-__device__ __forceinline__ int32_t Convert(const ConversionParams& p, const RowState& s,
-                                           int32_t tok, bool* valid) {
-  if (s.is_pref) {
-    *valid = tok >= 0;
-    return *valid ? static_cast<int32_t>(static_cast<uint32_t>(s.start) +
-                                         static_cast<uint32_t>(tok))
-                  : -1;
-  }
-  const uint32_t pos = static_cast<uint32_t>(max(tok, 0));
-  uint32_t local = pos;
-  bool remote = false;
-  if (p.dcp_size.divisor > 1) {
-    uint32_t group_index, in_group, owner_group, owner;
-    p.interleave.DivMod(pos, &group_index, &in_group);        // tok / I, tok % I
-    p.dcp_size.DivMod(group_index, &owner_group, &owner);     // tok / (N*I), (tok / I) % N
-    local = owner_group * p.interleave.divisor + in_group;    // <= pos: no overflow
-    remote = static_cast<int32_t>(owner) != s.rank;
-  }
-  uint32_t blk, off;
-  p.block_size.DivMod(local, &blk, &off);
-  const bool in_width = blk < static_cast<uint32_t>(p.table_width);
-  const int32_t entry =
-      s.table == nullptr
-          ? 0
-          : __ldg(s.table + min(blk, static_cast<uint32_t>(p.table_width) - 1u));
-  *valid = tok >= 0 && !remote && in_width;
-  return *valid ? static_cast<int32_t>(static_cast<uint32_t>(entry) * p.block_size.divisor + off)
-                : -1;
-}
 
 // A thread's share of one tile: kVecsPerThread vectors kThreads * kVec apart, so each load
 // instruction of a warp reads 512 contiguous bytes. in_row[v]: vector v lies inside the row
@@ -146,13 +61,17 @@ struct TileSlice {
   }
 
   __device__ __forceinline__ void Convert(const ConversionParams& p, const RowState& s) {
+    int32_t positions[kElemsPerThread];
 #pragma unroll
     for (int v = 0; v < kVecsPerThread; ++v) {
-      vals[v * kVec + 0] = index_conversion::Convert(p, s, tok[v].x, &valid[v * kVec + 0]);
-      vals[v * kVec + 1] = index_conversion::Convert(p, s, tok[v].y, &valid[v * kVec + 1]);
-      vals[v * kVec + 2] = index_conversion::Convert(p, s, tok[v].z, &valid[v * kVec + 2]);
-      vals[v * kVec + 3] = index_conversion::Convert(p, s, tok[v].w, &valid[v * kVec + 3]);
+      positions[v * kVec + 0] = tok[v].x;
+      positions[v * kVec + 1] = tok[v].y;
+      positions[v * kVec + 2] = tok[v].z;
+      positions[v * kVec + 3] = tok[v].w;
     }
+    const int32_t* table = s.table;
+    ConvertPositions(p, s, positions, [table](uint32_t block) { return __ldg(table + block); },
+                     vals, valid);
   }
 
   __device__ __forceinline__ void Store(int32_t* out, int64_t tile) const {
@@ -230,11 +149,12 @@ __global__ void __launch_bounds__(kThreads) ConvertRowKernel(const ConversionPar
       __syncthreads();  // kept_slots is complete
       if (single_tile) {
         for (int col = threadIdx.x * kVec; col < p.top_k; col += kThreads * kVec) {
-          int4 slots;
-          slots.x = col + 0 < in_tile ? kept_slots[col + 0] : -1;
-          slots.y = col + 1 < in_tile ? kept_slots[col + 1] : -1;
-          slots.z = col + 2 < in_tile ? kept_slots[col + 2] : -1;
-          slots.w = col + 3 < in_tile ? kept_slots[col + 3] : -1;
+          // One 16-byte shared load (words at or past in_tile hold nothing kept, and become -1).
+          int4 slots = *reinterpret_cast<const int4*>(kept_slots + col);
+          slots.x = col + 0 < in_tile ? slots.x : -1;
+          slots.y = col + 1 < in_tile ? slots.y : -1;
+          slots.z = col + 2 < in_tile ? slots.z : -1;
+          slots.w = col + 3 < in_tile ? slots.w : -1;
           *reinterpret_cast<int4*>(out + col) = slots;
         }
       } else {

@@ -61,14 +61,21 @@ def _sm_count() -> int:
 
 
 def tiles_per_cta(num_ctas_at_one_tile: int, num_tiles: int, sm_count: int) -> int:
-    """Tiles (64 keys) per CTA: up to MAX_TILES_PER_CTA (fewer query reloads), halved while the grid
-    (num_ctas_at_one_tile independent CTAs per tile chunk) would not fill _CTAS_PER_SM per SM;
-    at least 2 unless the rows have a single tile."""
-    tiles = MAX_TILES_PER_CTA
-    target = _CTAS_PER_SM * sm_count
-    while tiles > 2 and num_ctas_at_one_tile * -(-num_tiles // tiles) < target:
-        tiles //= 2
-    return max(1, min(tiles, num_tiles))
+    """Tiles (64 keys) per CTA, chosen for whole waves: with W = _CTAS_PER_SM * sm_count resident
+    CTAs, a grid of C CTAs of t tiles runs ceil(C / W) waves, each about as long as one CTA (its t
+    tiles plus a fixed cost of about one tile: the query load and the first page's latency), so t
+    minimises ceil(C(t) / W) * (t + 1) over [2, MAX_TILES_PER_CTA] (ties to more tiles: fewer query
+    loads); 1 for single-tile rows. C(t) = num_ctas_at_one_tile * ceil(num_tiles / t)."""
+    if num_tiles <= 1:
+        return 1
+    resident = _CTAS_PER_SM * sm_count
+    best_tiles, best_cost = 0, None
+    for tiles in range(min(MAX_TILES_PER_CTA, num_tiles), 1, -1):
+        ctas = num_ctas_at_one_tile * -(-num_tiles // tiles)
+        cost = -(-ctas // resident) * (tiles + 1)
+        if best_cost is None or cost < best_cost:
+            best_tiles, best_cost = tiles, cost
+    return best_tiles
 
 
 def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_context_len,

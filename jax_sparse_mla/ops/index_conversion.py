@@ -49,20 +49,20 @@ BLOCK_N = 128
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "native")
 # The GPU kernels `implementation=` can name.
 GPU_KERNELS = ("pallas", "native")
-# From this many tokens up, "auto" runs the CUDA row kernel ahead of Pallas for the compacting
-# conversion without the DCP filter: there it measured faster on an H100 and an H200 at T = 8192
-# (and level at T = 1024); everywhere else Pallas measured faster (docs/benchmarks.md).
-NATIVE_COMPACT_MIN_TOKENS = 4096
+# "auto" runs the CUDA row kernel ahead of Pallas for the compacting conversion with the DCP filter
+# at every T, and without it from this many tokens up: there it measured at or under Pallas' time
+# on an H100 (at T = 1 without DCP Pallas measured 0.1 µs faster; docs/kernels/index-conversion.md).
+NATIVE_COMPACT_MIN_TOKENS = 128
 
 
 def auto_order(num_tokens: int, compact: bool, dcp_size: int) -> tuple[str, ...]:
     """The GPU kernels "auto" tries in turn on a CUDA GPU for a call of `num_tokens` rows, before
     pure JAX: the fastest measured first. The CUDA kernels stand in where Pallas cannot lower only
-    for compaction, where they are 2-4x faster than pure JAX; the in-place conversion falls back to
+    for compaction, where they are 3-4x faster than pure JAX; the in-place conversion falls back to
     pure JAX, which XLA fuses into one kernel as fast as ours."""
     if not compact:
         return ("pallas",)
-    if dcp_size == 1 and num_tokens >= NATIVE_COMPACT_MIN_TOKENS:
+    if dcp_size > 1 or num_tokens >= NATIVE_COMPACT_MIN_TOKENS:
         return ("native", "pallas")
     return ("pallas", "native")
 

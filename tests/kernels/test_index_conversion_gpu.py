@@ -328,9 +328,9 @@ def test_rejects_unknown_implementation(fn):
 
 
 def test_auto_takes_the_first_kernels_that_can_run(monkeypatch):
-    """auto_order on a CUDA GPU: the CUDA row kernel first for compaction without DCP from
-    NATIVE_COMPACT_MIN_TOKENS tokens, Pallas first elsewhere; CUDA in Pallas' place only for
-    compaction; then pure JAX. A forced choice runs its kernels or says why it cannot."""
+    """auto_order on a CUDA GPU: the CUDA row kernel first for compaction with DCP and, without
+    DCP, from NATIVE_COMPACT_MIN_TOKENS tokens, Pallas first elsewhere; CUDA in Pallas' place only
+    for compaction; then pure JAX. A forced choice runs its kernels or says why it cannot."""
     many = index_conversion.NATIVE_COMPACT_MIN_TOKENS
     reasons = {"pallas": None, "native": None}
     monkeypatch.setattr(index_conversion, "unavailable_reason", lambda name: reasons[name])
@@ -341,7 +341,7 @@ def test_auto_takes_the_first_kernels_that_can_run(monkeypatch):
 
     assert select("auto", many, True) is index_conversion_native.convert
     assert select("auto", many - 1, True) is index_conversion_pallas.convert
-    assert select("auto", many, True, dcp_size=2) is index_conversion_pallas.convert
+    assert select("auto", 1, True, dcp_size=2) is index_conversion_native.convert
     assert select("auto", many, False) is index_conversion_pallas.convert
     reasons["pallas"] = "the Pallas Triton backend is gone"
     assert select("auto", 1, True) is index_conversion_native.convert

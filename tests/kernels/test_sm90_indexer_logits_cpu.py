@@ -83,14 +83,28 @@ def test_check_names_a_missing_build(fake_sm90, monkeypatch):
 
 
 @pytest.mark.parametrize("ctas,num_tiles", [(1, 2048), (1, 1), (1, 3), (128, 2048), (32, 128),
-                                            (1000, 5), (1, 10 ** 6)])
-def test_tiles_per_cta(ctas, num_tiles):
+                                            (1000, 5), (1, 10 ** 6), (1, 1024), (32, 1024)])
+def test_tiles_per_cta_minimises_whole_waves(ctas, num_tiles):
     tiles = logits.tiles_per_cta(ctas, num_tiles, 132)
     assert 1 <= tiles <= min(logits.MAX_TILES_PER_CTA, num_tiles)
-    chunks = -(-num_tiles // tiles)
-    # Halved only while the grid stays below 3 CTAs per SM, never below 2 tiles.
-    if tiles < logits.MAX_TILES_PER_CTA and tiles < num_tiles:
-        assert tiles == 2 or ctas * chunks >= 3 * 132 or ctas * -(-num_tiles // (2 * tiles)) < 396
+    if num_tiles == 1:
+        assert tiles == 1
+        return
+
+    def cost(t):  # waves of 3 x 132 CTAs, each as long as t tiles plus one
+        return -(-(ctas * -(-num_tiles // t)) // 396) * (t + 1)
+
+    candidates = range(2, min(logits.MAX_TILES_PER_CTA, num_tiles) + 1)
+    assert cost(tiles) == min(cost(t) for t in candidates)
+    assert tiles == max(t for t in candidates if cost(t) == cost(tiles))
+
+
+def test_tiles_per_cta_fills_whole_waves_at_the_decode_points():
+    # 1 x 65536 and 1 x 131072: one wave of 342 CTAs instead of 512 (1.29 waves); 32 x 65536:
+    # 2,368 CTAs (5.98 waves) instead of 2,048 (5.17).
+    assert logits.tiles_per_cta(1, 1024, 132) == 3
+    assert logits.tiles_per_cta(1, 2048, 132) == 6
+    assert logits.tiles_per_cta(32, 1024, 132) == 14
 
 
 @pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
