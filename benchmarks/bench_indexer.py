@@ -112,6 +112,13 @@ def timed(timer, make_call, operands, shared, calls):
     return timer(fn, [(operand, *shared) for operand in operands], calls)
 
 
+def distinct_copies(scores, count):
+    """`count` distinct arrays of the same difficulty for a top-k: scores times 2^i keep every
+    mantissa bit and the order (adding a constant instead would crowd the values into a few
+    exponents, the worst case of a radix select, in all but the first)."""
+    return [scores * 2.0 ** i for i in range(count)]
+
+
 def torch_topk_seconds(score_sets, repeats):
     """torch.topk(k=2048) over each of `score_sets` (JAX arrays, shared through DLPack), one CUDA
     graph of those calls; None without torch or a CUDA device."""
@@ -164,7 +171,7 @@ def bench_decode(batch, context, backends, calls, timer, record):
                     key_bytes + logits_bytes)
             if score_sets is None:
                 scores = jax.jit(logits)(q, *shared)
-                score_sets = [scores + float(i) for i in range(DECODE_SETS)]
+                score_sets = distinct_copies(scores, DECODE_SETS)
             measure("topk", backend, lambda: timed(timer, top_k, score_sets, (lengths,), calls),
                     logits_bytes + index_bytes)
             measure("select", backend, lambda: timed(timer, select, queries, shared, calls),
@@ -223,7 +230,7 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
                 record.log(f"    {row['tflops']:.1f} TFLOP/s")
             if score_sets is None:
                 scores = jax.jit(logits)(q, *shared)
-                score_sets = [scores + float(i) for i in range(PREFILL_SETS)]
+                score_sets = distinct_copies(scores, PREFILL_SETS)
                 del scores
             record.measure(f"prefill_topk   {label}",
                            lambda: timed(timer, top_k, score_sets, (starts, ends), PREFILL_CALLS),

@@ -61,7 +61,11 @@ ffi::Error LaunchError(const char* op, cudaError_t status) {
 ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_rows,
                         cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
-  TopKPerRowKernel<<<static_cast<unsigned>(num_rows), kThreads, 0, stream>>>(params);
+  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<TopKPerRowKernel, kCandidateBytes>();
+      status != cudaSuccess) {
+    return LaunchError(op, status);
+  }
+  TopKPerRowKernel<<<static_cast<unsigned>(num_rows), kThreads, kCandidateBytes, stream>>>(params);
   const cudaError_t status = cudaGetLastError();
   return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
 }

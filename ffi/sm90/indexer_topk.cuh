@@ -223,11 +223,196 @@ __device__ __forceinline__ bool CompactChunk(const bool (&is_above)[kKeys],
   return *above_seen + min(*ties_seen, needed) >= want;
 }
 
+// After the first pass, the keys whose first digit is at or above its threshold bin (every key the
+// selection can keep: fewer than k above the bin, plus the bin) are gathered once from the row into
+// shared memory, so that the later passes and the compaction read them there instead of the row.
+// Warp w gathers from its own contiguous slice of the row into its own list of at most
+// kCandidatesPerWarp keys, in position order; the lists in warp order are then the candidates in
+// position order. A row where any warp's slice holds more (heavy ties in the bin, k near the list
+// size) takes the rereading passes instead.
+constexpr int kCandidatesPerWarp = 512;
+constexpr int kCandidateCapacity = kWarps * kCandidatesPerWarp;
+// Dynamic shared memory: the candidates' keys, then their positions.
+constexpr int kCandidateBytes = kCandidateCapacity * (sizeof(uint32_t) + sizeof(int32_t));
+// A pass gathers the candidates only when they number at most this many: with fewer than 3/4 of
+// the lists' room in all, one warp's slice rarely holds more than its list's (the gather is then a
+// wasted pass over the row).
+constexpr uint32_t kGatherMaxCandidates = kCandidateCapacity / 4 * 3;
+// Groups a lane loads before it gathers from any (bytes in flight per warp: 32 x 16 x this).
+constexpr int kGatherUnroll = 4;
+
 struct Shared {
   uint32_t hist[kBins];
   uint32_t warp_sums[kWarps];
+  uint32_t candidate_counts[kWarps];  // keys in warp w's list
+  uint32_t warp_above[kWarps];        // compaction: kept keys above the threshold in lists < w
+  uint32_t warp_ties[kWarps];         //   and keys tied with it in lists < w
   Threshold chosen;
 };
+
+// A view of the candidate lists in dynamic shared memory: warp w's list holds counts[w] entries
+// from index w * kCandidatesPerWarp.
+struct Candidates {
+  uint32_t* keys;
+  int32_t* positions;  // relative to the row start
+};
+
+__device__ __forceinline__ uint32_t LaneMaskLt() {
+  uint32_t mask;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+  return mask;
+}
+
+// The exclusive prefix over the warp's lanes of `count` (0..7) and the warp's total, from three
+// ballots.
+__device__ __forceinline__ uint32_t WarpExclusiveCount(uint32_t count, uint32_t* total) {
+  const uint32_t b0 = __ballot_sync(0xFFFFFFFFu, count & 1u);
+  const uint32_t b1 = __ballot_sync(0xFFFFFFFFu, count & 2u);
+  const uint32_t b2 = __ballot_sync(0xFFFFFFFFu, count & 4u);
+  const uint32_t lt = LaneMaskLt();
+  *total = __popc(b0) + 2u * __popc(b1) + 4u * __popc(b2);
+  return __popc(b0 & lt) + 2u * __popc(b1 & lt) + 4u * __popc(b2 & lt);
+}
+
+// Gathers, after the first pass, every key of the row with (key & mask) >= prefix into the warps'
+// lists (see kCandidatesPerWarp). Returns, in every thread, whether every list held its keys.
+// Every thread must call it (it synchronises the CTA).
+__device__ __forceinline__ bool GatherCandidates(const RowView& row, const RadixState& state,
+                                                 const Candidates& candidates, Shared* smem) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t groups_per_warp = (row.groups + kWarps - 1) / kWarps;
+  const int64_t slice_begin = min(row.groups, warp * groups_per_warp);
+  const int64_t slice_end = min(row.groups, slice_begin + groups_per_warp);
+  uint32_t* keys = candidates.keys + warp * kCandidatesPerWarp;
+  int32_t* positions = candidates.positions + warp * kCandidatesPerWarp;
+  uint32_t count = 0u;
+  bool overflow = false;
+#pragma unroll 1
+  for (int64_t base = slice_begin; base < slice_end; base += 32 * kGatherUnroll) {
+    float v[kGatherUnroll][kVec];
+    bool valid[kGatherUnroll][kVec];
+    int64_t first[kGatherUnroll];
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+      const int64_t g = base + u * 32 + lane;
+      first[u] = 0;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) valid[u][j] = false;
+      if (g < slice_end) LoadGroup(row, g, v[u], valid[u], first[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+      uint32_t key[kVec];
+      bool keep[kVec];
+      uint32_t kept = 0u;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        key[j] = OrderKey(v[u][j]);
+        keep[j] = valid[u][j] && (key[j] & state.mask) >= state.prefix;
+        kept += keep[j];
+      }
+      uint32_t total;
+      uint32_t slot = count + WarpExclusiveCount(kept, &total);
+      if (count + total > kCandidatesPerWarp) overflow = true;
+      if (!overflow) {
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          if (keep[j]) {
+            keys[slot] = key[j];
+            positions[slot] = static_cast<int32_t>(first[u] + j);
+            ++slot;
+          }
+        }
+      }
+      count += total;
+    }
+    if (overflow) break;  // warp-uniform
+  }
+  if (lane == 0) smem->candidate_counts[warp] = count;
+  return __syncthreads_or(overflow) == 0;
+}
+
+// One radix pass over the candidates: counts, into hist (zeroed by the caller), the keys matching
+// the prefix by their digit of `pass`. Thread `lane` of warp w reads entries lane, lane + 32, ...
+// of list w.
+__device__ __forceinline__ void CountCandidates(const Candidates& candidates, const Shared& smem,
+                                                const RadixState& state, int pass,
+                                                uint32_t* hist) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const uint32_t* keys = candidates.keys + warp * kCandidatesPerWarp;
+  const uint32_t count = smem.candidate_counts[warp];
+  const int shift = PassShift(pass);
+  const uint32_t digit_mask = PassDigitMask(pass);
+  for (uint32_t i = lane; i < count; i += 32) {
+    const uint32_t key = keys[i];
+    if ((key & state.mask) == state.prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+  }
+}
+
+// The compaction over the candidates, which hold every kept key in position order: a kept key's
+// output slot is (kept above-threshold keys before it) + min(ties before it, needed), as in
+// CompactChunk. Each warp counts its list's above and tied keys, one thread turns the counts into
+// the counts before each list, and each warp then walks its list 32 entries at a time with ballots.
+// Every thread must call it (it synchronises the CTA).
+__device__ __forceinline__ void CompactCandidates(const Candidates& candidates, Shared* smem,
+                                                  const RadixState& state, uint32_t want,
+                                                  int32_t* out) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const uint32_t* keys = candidates.keys + warp * kCandidatesPerWarp;
+  const int32_t* positions = candidates.positions + warp * kCandidatesPerWarp;
+  const uint32_t count = smem->candidate_counts[warp];
+  uint32_t n_above = 0u, n_tie = 0u;
+  for (uint32_t i = lane; i < count; i += 32) {
+    const uint32_t masked = keys[i] & state.mask;
+    n_above += masked > state.prefix;
+    n_tie += masked == state.prefix;
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    n_above += __shfl_xor_sync(0xFFFFFFFFu, n_above, offset);
+    n_tie += __shfl_xor_sync(0xFFFFFFFFu, n_tie, offset);
+  }
+  if (lane == 0) {
+    smem->warp_above[warp] = n_above;
+    smem->warp_ties[warp] = n_tie;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t above = 0u, ties = 0u;
+    for (int w = 0; w < kWarps; ++w) {
+      const uint32_t a = smem->warp_above[w], t = smem->warp_ties[w];
+      smem->warp_above[w] = above;
+      smem->warp_ties[w] = ties;
+      above += a;
+      ties += t;
+    }
+  }
+  __syncthreads();
+  uint32_t above_before = smem->warp_above[warp];
+  uint32_t ties_before = smem->warp_ties[warp];
+  const uint32_t needed = state.remaining;
+  const uint32_t lt = LaneMaskLt();
+  for (uint32_t base = 0; base < count; base += 32) {
+    const uint32_t i = base + lane;
+    const uint32_t masked = i < count ? (keys[i] & state.mask) : 0u;
+    const bool is_above = i < count && masked > state.prefix;
+    const bool is_tie = i < count && masked == state.prefix;
+    const uint32_t above_mask = __ballot_sync(0xFFFFFFFFu, is_above);
+    const uint32_t tie_mask = __ballot_sync(0xFFFFFFFFu, is_tie);
+    const uint32_t my_above = above_before + __popc(above_mask & lt);
+    const uint32_t my_ties = ties_before + __popc(tie_mask & lt);
+    if (is_above || (is_tie && my_ties < needed)) {
+      const uint32_t slot = my_above + min(my_ties, needed);
+      // slot < k by construction; the test only guards memory if that reasoning were wrong.
+      if (slot < want) out[slot] = positions[i];
+    }
+    above_before += __popc(above_mask);
+    ties_before += __popc(tie_mask);
+  }
+}
 
 // Row r's range [start, end) of logits positions: prefill rows over [row_starts[r], row_ends[r]),
 // decode row r = b * next_n + j over [0, context_lens[b] - next_n + j + 1); both clamped as the
@@ -256,8 +441,59 @@ __device__ __forceinline__ void WriteWholeRow(int32_t* out, int64_t len, int k, 
   for (int64_t i = first; i < k; i += stride) out[i] = i < len ? static_cast<int32_t>(i) : -1;
 }
 
-// One CTA per row (blockIdx.x).
+// The radix passes' count over the row (the first pass's, and the later passes' until the
+// candidates are gathered): into hist (zeroed by the caller), the keys matching the prefix by their
+// digit of `pass`. Each thread loads kGatherUnroll groups before it counts any, so that a long row's
+// loads are in flight together.
+__device__ __forceinline__ void CountRow(const RowView& row, const RadixState& state, int pass,
+                                         uint32_t* hist) {
+  const int shift = PassShift(pass);
+  const uint32_t digit_mask = PassDigitMask(pass);
+#pragma unroll 1
+  for (int64_t base = threadIdx.x; base < row.groups; base += kThreads * kGatherUnroll) {
+    float v[kGatherUnroll][kVec];
+    bool valid[kGatherUnroll][kVec];
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+      const int64_t g = base + u * kThreads;
+      int64_t first;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) valid[u][j] = false;
+      if (g < row.groups) LoadGroup(row, g, v[u], valid[u], first);
+    }
+#pragma unroll
+    for (int u = 0; u < kGatherUnroll; ++u) {
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        const uint32_t key = OrderKey(v[u][j]);
+        if (valid[u][j] && (key & state.mask) == state.prefix) {
+          atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
+        }
+      }
+    }
+  }
+}
+
+// One radix pass: zeroes the histogram, counts with count(hist), and chooses the threshold bin
+// (ChooseThresholdBin). Returns true when the digits so far decide the selection. Every thread
+// must call it (it synchronises the CTA).
+template <typename Count>
+__device__ __forceinline__ bool RadixPass(int pass, RadixState* state, Shared* smem, Count count) {
+  for (int i = threadIdx.x; i < kBins; i += kThreads) smem->hist[i] = 0u;
+  __syncthreads();
+  count(smem->hist);
+  __syncthreads();
+  uint32_t counts[kBinsPerThread];
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    counts[j] = smem->hist[kBins - 1 - (threadIdx.x * kBinsPerThread + j)];
+  }
+  return ChooseThresholdBin(counts, pass, state, smem->warp_sums, &smem->chosen);
+}
+
+// One CTA per row (blockIdx.x), with kCandidateBytes of dynamic shared memory.
 __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams params) {
+  extern __shared__ uint4 candidate_smem[];
   __shared__ Shared smem;
   const int64_t r = blockIdx.x;
   int32_t start, end;
@@ -274,34 +510,37 @@ __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams
   const RowView row =
       MakeRowView(params.logits + r * static_cast<int64_t>(params.width) + start, len);
 
+  // Radix passes over the row until the keys that can still be kept (those above the threshold
+  // bin and in it) are few enough to gather, then the rest over the gathered candidates.
   RadixState state{0u, 0u, static_cast<uint32_t>(k)};
+  const Candidates candidates{
+      reinterpret_cast<uint32_t*>(candidate_smem),
+      reinterpret_cast<int32_t*>(candidate_smem) + kCandidateCapacity};
+  int pass = 0;
+  bool decided = false, gathered = false;
 #pragma unroll 1
-  for (int pass = 0; pass < kNumPasses; ++pass) {
-    const int shift = PassShift(pass);
-    const uint32_t digit_mask = PassDigitMask(pass);
-    for (int i = threadIdx.x; i < kBins; i += kThreads) smem.hist[i] = 0u;
-    __syncthreads();
-#pragma unroll 2
-    for (int64_t g = threadIdx.x; g < row.groups; g += kThreads) {
-      float v[kVec];
-      bool valid[kVec];
-      int64_t first;
-      LoadGroup(row, g, v, valid, first);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const uint32_t key = OrderKey(v[j]);
-        if (valid[j] && (key & state.mask) == state.prefix) {
-          atomicAdd(&smem.hist[(key >> shift) & digit_mask], 1u);
-        }
-      }
+  while (pass < kNumPasses && !decided) {
+    decided = RadixPass(pass, &state, &smem,
+                        [&](uint32_t* hist) { CountRow(row, state, pass, hist); });
+    ++pass;
+    // Read after ChooseThresholdBin's barriers; the next write of smem.chosen comes after the next
+    // pass's barriers. Block-uniform.
+    const uint32_t num_candidates = static_cast<uint32_t>(k) - state.remaining + smem.chosen.count;
+    if (num_candidates <= kGatherMaxCandidates &&
+        GatherCandidates(row, state, candidates, &smem)) {
+      gathered = true;
+      break;
     }
-    __syncthreads();
-    uint32_t counts[kBinsPerThread];
-#pragma unroll
-    for (int j = 0; j < kBinsPerThread; ++j) {
-      counts[j] = smem.hist[kBins - 1 - (threadIdx.x * kBinsPerThread + j)];
+  }
+  if (gathered) {
+#pragma unroll 1
+    for (; pass < kNumPasses && !decided; ++pass) {
+      decided = RadixPass(pass, &state, &smem, [&](uint32_t* hist) {
+        CountCandidates(candidates, smem, state, pass, hist);
+      });
     }
-    if (ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen)) break;
+    CompactCandidates(candidates, &smem, state, static_cast<uint32_t>(k), out);
+    return;
   }
 
   // Compaction in position order, a chunk of kThreads groups at a time.

@@ -4,23 +4,28 @@
 The kernel returns the pure-JAX reference's array bit for bit (the rule is in docs/indexer.md):
 one CTA of 512 threads per row. A row of at most k positions writes 0 .. len - 1 and then -1
 without reading its logits. A longer row maps every value to an order-preserving uint32 key (NaN
-below -inf, -0.0 equal to +0.0, as `_order_keys`), finds the k-th largest key exactly with three
-histogram passes over the row (11, 11 and 10 bits, each restricted to the keys that match the
-digits chosen so far; 2048 bins in shared memory, a block-wide prefix sum to find the threshold
-bin; no candidate buffer, so heavy ties cannot truncate the selection), then makes one pass in
-position order that keeps every key above the threshold and the lowest-positioned ties, writing
-each kept position at its prefix-sum rank: ascending positions, deterministic, no sort. Rows are
-read as aligned float4 groups whatever the row start.
+below -inf, -0.0 equal to +0.0, as `_order_keys`) and finds the k-th largest key exactly with three
+histogram passes (11, 11 and 10 bits, each restricted to the keys that match the digits chosen so
+far; 2048 bins in shared memory, a block-wide prefix sum to find the threshold bin). As soon as a
+pass leaves few enough keys that can still be kept (those above the threshold bin and in it: at
+most 6144), one more pass over the row gathers them, in position order, into shared memory (each
+warp from its own slice of the row into its own list of 512), and the remaining passes and the
+compaction read only those. Where they are too many (heavy ties) or one warp's slice holds more
+than its list, every pass rereads the row, so no amount of ties can truncate the selection. The
+compaction keeps every key above the threshold and the lowest-positioned ties, writing each kept
+position at its prefix-sum rank: ascending positions, deterministic, no sort. Rows are read as
+aligned float4 groups whatever the row start.
 
-The one-CTA kernels passed their GPU tests on an H200 (tests/kernels/test_sm90_indexer_topk_gpu.py,
-memcheck and command buffers included): implementation="auto" runs them on SM90.
+The one-CTA kernels passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_topk_gpu.py,
+memcheck, racecheck and command buffers included): implementation="auto" runs them on SM90.
 
 The cluster form (`ffi/sm90/indexer_topk_cluster.cuh`, kernel name "sm90_topk_cluster") gives the
 same array with one row spread over a thread-block cluster of up to 8 CTAs, the row read once into
 shared memory and every pass run there (rows of at most MAX_CLUSTER_WIDTH positions). It passed the
-same GPU tests on an H100 (racecheck too) and is preferred by both "native" and "auto", except that
-"auto" keeps the one-CTA kernel for rows of at most ONE_CTA_MAX_WIDTH positions, where the cluster
-measured slower (`cluster_slower_here`; the numbers are in docs/indexer.md).
+same GPU tests on an H100 and is preferred by "native" wherever it fits. "auto" runs it only where
+it measured faster (`cluster_slower_here`): rows wider than ONE_CTA_MAX_WIDTH positions whose
+clusters fit one wave (few rows: decode at small batch); the one-CTA kernel everywhere else
+(short rows, large batches, prefill). The numbers are in docs/kernels/sm90-indexer.md.
 """
 
 from __future__ import annotations
@@ -41,16 +46,26 @@ TARGET_DECODE_CLUSTER = "jax_sparse_mla_sm90_top_k_per_row_decode_cluster"
 # int32 (the handler rejects anything larger).
 MAX_DIM = 2**31 - 1
 # The cluster form (ffi/sm90/indexer_topk_plan.h): up to kMaxClusterSize = 8 CTAs per row, each
-# holding at most kMaxClusterKeyBytes / 16 = 10240 float4 groups of keys; a row of S positions spans
+# holding at most kMaxClusterGroupsPerCta = 10240 float4 groups of keys; a row of S positions spans
 # up to ceil((S + 3) / 4) groups. Its grid has R x (up to 8) CTAs.
 MAX_CLUSTER_SIZE = 8
-MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * 10240 * 4 - 3
+CLUSTER_GROUPS_PER_CTA = 10240
+MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * CLUSTER_GROUPS_PER_CTA * 4 - 3
 MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
-# Rows this wide or narrower: "auto" runs the one-CTA kernel (device times on an H100, k = 2048, in
-# microseconds, one-CTA vs cluster: 32 x 8192 12.9 vs 22.3, 128 x 8192 13.1 vs 14.4, 1 x 8192 12.3
-# vs 12.3; at 16384 the cluster wins at 1 and 128 rows, 15.4 vs 20.0 and 20.9 vs 23.4, and loses
-# at 32 rows, 24.9 vs 21.9).
+# Rows this wide or narrower: "auto" runs the one-CTA kernel (device times on an H100, k = 2048,
+# normal scores, in microseconds, one-CTA vs cluster: 1 x 8192 9.9 vs 12.5, 32 x 8192 10.2 vs
+# 20.2, 128 x 8192 10.7 vs 15.7).
 ONE_CTA_MAX_WIDTH = 8192
+
+
+def min_cluster_size(width: int) -> int:
+    """The fewest CTAs (a power of two) whose shared memory holds a row of `width` positions: the
+    cluster the host plan (PlanCluster) starts from before it widens it within one wave."""
+    groups = -(-(width + 3) // 4)
+    ctas = 1
+    while ctas < MAX_CLUSTER_SIZE and -(-groups // ctas) > CLUSTER_GROUPS_PER_CTA:
+        ctas *= 2
+    return ctas
 
 
 def check_problem(problem: registry.IndexerProblem,
@@ -93,10 +108,17 @@ def check_cluster_problem(problem: registry.IndexerProblem,
 
 
 def cluster_slower_here(problem: registry.IndexerProblem) -> str | None:
-    """rows of at most 8192 positions (ONE_CTA_MAX_WIDTH), where the one-CTA kernel measured faster"""
+    """rows of at most 8192 positions (ONE_CTA_MAX_WIDTH), and rows whose clusters need more than
+    one wave (R x min_cluster_size(S) CTAs above the SM count): where the one-CTA kernel measured
+    faster"""
     if problem.num_keys <= ONE_CTA_MAX_WIDTH:
         return (f"rows of {problem.num_keys} <= {ONE_CTA_MAX_WIDTH} positions, where the one-CTA "
-                f"kernel measured faster (H100, 32 x 8192: 12.9 vs 22.3 us)")
+                f"kernel measured faster (H100, 32 x 8192: 10.2 vs 20.2 us)")
+    ctas = min_cluster_size(problem.num_keys)
+    sm_count = registry.device_sm_count()
+    if problem.num_rows * ctas > sm_count:
+        return (f"{problem.num_rows} rows x {ctas} CTAs exceed one wave on {sm_count} SMs, where "
+                f"the one-CTA kernel measured faster (H100, 128 x 65536: 47.5 vs 66.3 us)")
     return None
 
 

@@ -233,23 +233,40 @@ def test_registered_validated_with_a_shape_rule(op):
 
 @pytest.mark.parametrize("op", sorted(OPS))
 @pytest.mark.parametrize("width,rows", [(2048, 1), (8192, 32), (8192, 128), (8193, 32),
-                                        (65536, 1), (131072, 128)])
-def test_auto_keeps_the_one_cta_kernel_for_short_rows(fake_sm90, op, width, rows):
-    """native prefers the cluster wherever it fits; auto only for rows wider than 8192 positions,
-    where it measured faster (at or below, the one-CTA kernel did)."""
+                                        (65536, 1), (65536, 66), (65536, 67), (131072, 33),
+                                        (131072, 34), (131072, 128), (327677, 16),
+                                        (327677, 17)])
+def test_auto_runs_the_cluster_for_long_rows_in_one_wave(fake_sm90, monkeypatch, op, width, rows):
+    """native prefers the cluster wherever it fits; auto only for rows wider than 8192 positions
+    whose smallest clusters fit one wave on the GPU's SMs (132 here), where it measured faster; the
+    one-CTA kernel everywhere else."""
+    monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
     call = problem(op, num_keys=width, num_rows=rows)
     assert registry.select_op_kernel(op, "native", call).name == "sm90_topk_cluster"
-    want = "sm90_topk" if width <= 8192 else "sm90_topk_cluster"
+    one_wave = rows * topk.min_cluster_size(width) <= 132
+    want = "sm90_topk_cluster" if width > 8192 and one_wave else "sm90_topk"
     assert registry.select_op_kernel(op, "auto", call).name == want
     wide = problem(op, num_keys=topk.MAX_CLUSTER_WIDTH + 1)
     assert registry.select_op_kernel(op, "native", wide).name == "sm90_topk"
     assert registry.select_op_kernel(op, "auto", wide).name == "sm90_topk"
 
 
-def test_shape_rule_says_why():
+def test_min_cluster_size_is_where_the_plan_starts(plan_driver):
+    """min_cluster_size(S) is PlanCluster's cluster before it widens (with no SMs to widen into)."""
+    widths = [1, 2048, 8192, 40957, 40958, 65536, 81917, 81918, 131072, 163837, 163838,
+              topk.MAX_CLUSTER_WIDTH]
+    results = plan(plan_driver, [(1, s, 0) for s in widths])
+    assert [ctas for _, ctas, _ in results] == [topk.min_cluster_size(s) for s in widths]
+    assert [topk.min_cluster_size(s) for s in (40957, 40958, 81918, 163838)] == [1, 2, 4, 8]
+
+
+def test_shape_rule_says_why(monkeypatch):
+    monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
     assert topk.cluster_slower_here(problem("top_k_per_row", num_keys=8193)) is None
     why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=4096))
     assert "4096 <= 8192" in why and "one-CTA kernel measured faster" in why
+    why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=128))
+    assert "128 rows x 2 CTAs exceed one wave on 132 SMs" in why
 
 
 @pytest.mark.parametrize("override,message", [

@@ -6,7 +6,9 @@ implementation="native" picks only the preferred one) and compares it with the p
 (implementation="xla") on the same GPU and asserts the two int32 arrays are identical (np.array_equal): the rule leaves no
 freedom (NaN below every number, -0.0 == +0.0, ties to the lower position, ascending positions,
 then -1). The data cycles through the hard cases of the rule row by row (heavy ties, vLLM's
-"10LSBits" rows, all-equal rows, NaN rows and scattered NaN, -inf, +inf, signed zeros, subnormals)
+"10LSBits" rows, all-equal rows, NaN rows and scattered NaN, -inf, +inf, signed zeros, subnormals,
+ties inside the threshold bin, a run of equal values longer than one warp's candidate list, values
+in one exponent: the one-CTA kernel's candidates gathered after the first or a later pass, or never)
 and the ranges through full rows, non-zero and unaligned starts, empty and reversed ranges, rows of
 exactly k and k + 1 positions and rows shorter than k. Widths go up to 131072, batches from 1 to
 256. The sanitizer cases run a small grid under compute-sanitizer memcheck and racecheck; the
@@ -47,7 +49,7 @@ def kernel_fn(op: str, name: str):
     static = ("k",) if op == "top_k_per_row" else ("next_n", "k")
     return jax.jit(kernel.fn, static_argnames=static)
 
-NUM_CASES = 12
+NUM_CASES = 15
 
 
 def hard_rows(rng, num_rows: int, width: int) -> np.ndarray:
@@ -86,6 +88,13 @@ def hard_rows(rng, num_rows: int, width: int) -> np.ndarray:
             row[:] = 0.25
         elif case == 11:  # all NaN
             row[:] = np.nan
+        elif case == 12:  # normal values in steps of 1/8: ties inside the threshold bin
+            row[:] = np.round(row * 8) / 8
+        elif case == 13:  # a run of 600 equal top values: more than one warp's candidate list
+            first = rng.integers(0, max(1, width - 600))
+            row[first:first + 600] = 5.0
+        elif case == 14:  # 3 + N(0, 0.1): the first digit's threshold bin holds half the row
+            row[:] = 3 + row * np.float32(0.1)
     return logits
 
 
