@@ -53,8 +53,8 @@ CLUSTER_GROUPS_PER_CTA = 10240
 MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * CLUSTER_GROUPS_PER_CTA * 4 - 3
 MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
 # Rows this wide or narrower: "auto" runs the one-CTA kernel (device times on an H100, k = 2048,
-# normal scores, in microseconds, one-CTA vs cluster: 1 x 8192 9.9 vs 12.5, 32 x 8192 10.2 vs
-# 20.2, 128 x 8192 10.7 vs 15.7).
+# bench_indexer.py's decode logits, in microseconds, one-CTA vs cluster: 1 x 8192 9.7 vs 12.7,
+# 32 x 8192 10.1 vs 20.3, 128 x 8192 10.7 vs 15.8; benchmarks/results/indexer_h100.json).
 ONE_CTA_MAX_WIDTH = 8192
 
 
@@ -113,12 +113,12 @@ def cluster_slower_here(problem: registry.IndexerProblem) -> str | None:
     faster"""
     if problem.num_keys <= ONE_CTA_MAX_WIDTH:
         return (f"rows of {problem.num_keys} <= {ONE_CTA_MAX_WIDTH} positions, where the one-CTA "
-                f"kernel measured faster (H100, 32 x 8192: 10.2 vs 20.2 us)")
+                f"kernel measured faster (H100, 32 x 8192: 10.1 vs 20.3 us)")
     ctas = min_cluster_size(problem.num_keys)
     sm_count = registry.device_sm_count()
     if problem.num_rows * ctas > sm_count:
         return (f"{problem.num_rows} rows x {ctas} CTAs exceed one wave on {sm_count} SMs, where "
-                f"the one-CTA kernel measured faster (H100, 128 x 65536: 47.5 vs 66.3 us)")
+                f"the one-CTA kernel measured faster (H100, 128 x 65536: 41.6 vs 66.3 us)")
     return None
 
 
