@@ -238,6 +238,16 @@ constexpr int kCandidateBytes = kCandidateCapacity * (sizeof(uint32_t) + sizeof(
 // the lists' room in all, one warp's slice rarely holds more than its list's (the gather is then a
 // wasted pass over the row).
 constexpr uint32_t kGatherMaxCandidates = kCandidateCapacity / 4 * 3;
+// Rows at least this long first estimate, from a sample, a key low enough that the k largest are
+// at or above it, and gather the keys at or above it while the first pass counts them: one read
+// of the row instead of two when the estimate holds (the first pass's threshold bin at or above
+// it, and every list big enough). On an H100 (k = 2048) this took 32 x 131072 from 88.3 to 53.3
+// µs, 128 x 131072 from 95.5 to 90.2 and 4096 causal rows of up to 131072 from 1632 to 1190, but
+// 128 x 65536 from 42.0 to 50.6 (the sample is a larger share of a shorter row): rows from 96K
+// positions up.
+constexpr int64_t kSpeculateMinLen = 98304;
+// Groups sampled per thread (evenly spaced over the row): kThreads * 4 * 4 = 8192 keys.
+constexpr int kSampleGroupsPerThread = 4;
 // Groups a lane loads before it gathers from any (bytes in flight per warp: 32 x 16 x this).
 constexpr int kGatherUnroll = 4;
 
@@ -274,11 +284,16 @@ __device__ __forceinline__ uint32_t WarpExclusiveCount(uint32_t count, uint32_t*
   return __popc(b0 & lt) + 2u * __popc(b1 & lt) + 4u * __popc(b2 & lt);
 }
 
-// Gathers, after the first pass, every key of the row with (key & mask) >= prefix into the warps'
-// lists (see kCandidatesPerWarp). Returns, in every thread, whether every list held its keys.
-// Every thread must call it (it synchronises the CTA).
-__device__ __forceinline__ bool GatherCandidates(const RowView& row, const RadixState& state,
-                                                 const Candidates& candidates, Shared* smem) {
+// Gathers every key of the row at or above min_key into the warps' lists (see kCandidatesPerWarp);
+// after a pass, min_key = the prefix chosen so far keeps exactly the keys with (key & mask) >=
+// prefix. With kCountFirstDigit, it also counts every key of the row into hist by its first digit
+// (the first radix pass, made in the same read), and goes on counting after a list is full.
+// Returns, in every thread, whether every list held its keys. Every thread must call it (it
+// synchronises the CTA).
+template <bool kCountFirstDigit = false>
+__device__ __forceinline__ bool GatherCandidates(const RowView& row, uint32_t min_key,
+                                                 const Candidates& candidates, Shared* smem,
+                                                 uint32_t* hist = nullptr) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int64_t groups_per_warp = (row.groups + kWarps - 1) / kWarps;
@@ -309,8 +324,11 @@ __device__ __forceinline__ bool GatherCandidates(const RowView& row, const Radix
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         key[j] = OrderKey(v[u][j]);
-        keep[j] = valid[u][j] && (key[j] & state.mask) >= state.prefix;
+        keep[j] = valid[u][j] && key[j] >= min_key;
         kept += keep[j];
+        if constexpr (kCountFirstDigit) {
+          if (valid[u][j]) atomicAdd(&hist[key[j] >> PassShift(0)], 1u);
+        }
       }
       uint32_t total;
       uint32_t slot = count + WarpExclusiveCount(kept, &total);
@@ -327,7 +345,7 @@ __device__ __forceinline__ bool GatherCandidates(const RowView& row, const Radix
       }
       count += total;
     }
-    if (overflow) break;  // warp-uniform
+    if (overflow && !kCountFirstDigit) break;  // warp-uniform
   }
   if (lane == 0) smem->candidate_counts[warp] = count;
   return __syncthreads_or(overflow) == 0;
@@ -441,6 +459,47 @@ __device__ __forceinline__ void WriteWholeRow(int32_t* out, int64_t len, int k, 
   for (int64_t i = first; i < k; i += stride) out[i] = i < len ? static_cast<int32_t>(i) : -1;
 }
 
+// The estimate for the speculative gather: the sample's keys counted by first digit, then the bin
+// where the count of higher sampled keys crosses 1.5 x the k largest's expected share of the
+// sample plus 32 (a margin of several standard deviations of that share). Returns that bin's
+// lowest key. Every thread must call it (it synchronises the CTA).
+__device__ __forceinline__ uint32_t EstimateGatherKey(const RowView& row, int k, Shared* smem) {
+  constexpr int kSampleGroups = kThreads * kSampleGroupsPerThread;
+  for (int i = threadIdx.x; i < kBins; i += kThreads) smem->hist[i] = 0u;
+  __syncthreads();
+  uint32_t sampled = 0u;
+#pragma unroll
+  for (int u = 0; u < kSampleGroupsPerThread; ++u) {
+    const int64_t g = (int64_t{threadIdx.x + u * kThreads} * row.groups) / kSampleGroups;
+    float v[kVec];
+    bool valid[kVec];
+    int64_t first;
+    LoadGroup(row, g, v, valid, first);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      if (valid[j]) {
+        atomicAdd(&smem->hist[OrderKey(v[j]) >> PassShift(0)], 1u);
+        ++sampled;
+      }
+    }
+  }
+  uint32_t total_sampled;
+  BlockExclusiveSum(sampled, smem->warp_sums, &total_sampled);  // synchronises: hist complete
+  // The expected count of the k largest in the sample, rounded up; >= 1 since the row has > k keys.
+  const uint64_t expected = (uint64_t{static_cast<uint32_t>(k)} * total_sampled +
+                             static_cast<uint64_t>(row.len) - 1) / static_cast<uint64_t>(row.len);
+  const uint64_t wanted = expected + expected / 2 + 32;
+  const uint32_t target = wanted < total_sampled ? static_cast<uint32_t>(wanted) : total_sampled;
+  uint32_t counts[kBinsPerThread];
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    counts[j] = smem->hist[kBins - 1 - (threadIdx.x * kBinsPerThread + j)];
+  }
+  RadixState estimate{0u, 0u, target};
+  ChooseThresholdBin(counts, 0, &estimate, smem->warp_sums, &smem->chosen);
+  return estimate.prefix;
+}
+
 // The radix passes' count over the row (the first pass's, and the later passes' until the
 // candidates are gathered): into hist (zeroed by the caller), the keys matching the prefix by their
 // digit of `pass`. Each thread loads kGatherUnroll groups before it counts any, so that a long row's
@@ -518,19 +577,30 @@ __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams
       reinterpret_cast<int32_t*>(candidate_smem) + kCandidateCapacity};
   int pass = 0;
   bool decided = false, gathered = false;
+  // After a pass, gathers the keys that can still be kept (those with (key & mask) >= prefix) if
+  // they are few enough. Block-uniform: smem.chosen is read after ChooseThresholdBin's barriers,
+  // and written again only after the next pass's.
+  auto gather_if_few = [&]() {
+    const uint32_t num_candidates = static_cast<uint32_t>(k) - state.remaining + smem.chosen.count;
+    return num_candidates <= kGatherMaxCandidates &&
+           GatherCandidates(row, state.prefix, candidates, &smem);
+  };
+  if (len >= kSpeculateMinLen) {  // block-uniform branch
+    const uint32_t min_key = EstimateGatherKey(row, k, &smem);
+    bool held = false;
+    decided = RadixPass(0, &state, &smem, [&](uint32_t* hist) {
+      held = GatherCandidates<true>(row, min_key, candidates, &smem, hist);
+    });
+    pass = 1;
+    // The lists hold every key >= min_key; the keys that can still be kept are those >= prefix.
+    gathered = (held && state.prefix >= min_key) || gather_if_few();
+  }
 #pragma unroll 1
-  while (pass < kNumPasses && !decided) {
+  while (!gathered && pass < kNumPasses && !decided) {
     decided = RadixPass(pass, &state, &smem,
                         [&](uint32_t* hist) { CountRow(row, state, pass, hist); });
     ++pass;
-    // Read after ChooseThresholdBin's barriers; the next write of smem.chosen comes after the next
-    // pass's barriers. Block-uniform.
-    const uint32_t num_candidates = static_cast<uint32_t>(k) - state.remaining + smem.chosen.count;
-    if (num_candidates <= kGatherMaxCandidates &&
-        GatherCandidates(row, state, candidates, &smem)) {
-      gathered = true;
-      break;
-    }
+    gathered = gather_if_few();
   }
   if (gathered) {
 #pragma unroll 1

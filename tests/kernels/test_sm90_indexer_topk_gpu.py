@@ -8,7 +8,8 @@ freedom (NaN below every number, -0.0 == +0.0, ties to the lower position, ascen
 then -1). The data cycles through the hard cases of the rule row by row (heavy ties, vLLM's
 "10LSBits" rows, all-equal rows, NaN rows and scattered NaN, -inf, +inf, signed zeros, subnormals,
 ties inside the threshold bin, a run of equal values longer than one warp's candidate list, values
-in one exponent: the one-CTA kernel's candidates gathered after the first or a later pass, or never)
+in one exponent, large values where the kernel samples the row: the one-CTA kernel's candidates
+gathered speculatively with the first pass, after the first or a later pass, or never)
 and the ranges through full rows, non-zero and unaligned starts, empty and reversed ranges, rows of
 exactly k and k + 1 positions and rows shorter than k. Widths go up to 131072, batches from 1 to
 256. The sanitizer cases run a small grid under compute-sanitizer memcheck and racecheck; the
@@ -49,7 +50,7 @@ def kernel_fn(op: str, name: str):
     static = ("k",) if op == "top_k_per_row" else ("next_n", "k")
     return jax.jit(kernel.fn, static_argnames=static)
 
-NUM_CASES = 15
+NUM_CASES = 16
 
 
 def hard_rows(rng, num_rows: int, width: int) -> np.ndarray:
@@ -95,6 +96,8 @@ def hard_rows(rng, num_rows: int, width: int) -> np.ndarray:
             row[first:first + 600] = 5.0
         elif case == 14:  # 3 + N(0, 0.1): the first digit's threshold bin holds half the row
             row[:] = 3 + row * np.float32(0.1)
+        elif case == 15:  # 2000 large values where the one-CTA kernel samples a 131072-wide row
+            row[(np.arange(500)[:, None] * (width // 512) + np.arange(4)).ravel() % width] = 10.0
     return logits
 
 

@@ -18,10 +18,13 @@ import pytest
 from reference import top_k_np
 from test_sm90_indexer_topk_cluster_cpu import BINS, PASSES, adversarial_row, order_keys
 
-# ffi/sm90/indexer_topk.cuh: kWarps, kCandidatesPerWarp, kGatherMaxCandidates.
+# ffi/sm90/indexer_topk.cuh: kWarps, kCandidatesPerWarp, kGatherMaxCandidates, kSpeculateMinLen,
+# kThreads * kSampleGroupsPerThread.
 WARPS = 16
 LIST = 512
 GATHER_MAX = WARPS * LIST // 4 * 3
+SPECULATE_MIN_LEN = 98304
+SAMPLE_GROUPS = 2048
 
 
 def choose_bin(hist: np.ndarray, remaining: int) -> tuple[int, int]:
@@ -32,9 +35,25 @@ def choose_bin(hist: np.ndarray, remaining: int) -> tuple[int, int]:
     return chosen, int(above[chosen])
 
 
-def gather(keys: np.ndarray, lead: int, mask: int, prefix: int) -> np.ndarray | None:
-    """GatherCandidates: the positions with (key & mask) >= prefix, warp slice by warp slice (the
-    lists in warp order), or None when a slice holds more than LIST."""
+def estimate_gather_key(keys: np.ndarray, lead: int, k: int) -> int:
+    """EstimateGatherKey: the first-digit bin where the count of higher keys of the sample (groups
+    evenly spaced over the row) crosses 1.5 x the k largest's expected share plus 32; its lowest
+    key."""
+    length = len(keys)
+    groups = -(-(length + lead) // 4)
+    sample_groups = np.arange(SAMPLE_GROUPS, dtype=np.int64) * groups // SAMPLE_GROUPS
+    positions = (sample_groups[:, None] * 4 - lead + np.arange(4)).ravel()
+    sample = keys[positions[(positions >= 0) & (positions < length)]]
+    expected = -(-k * len(sample) // length)
+    target = min(len(sample), expected + expected // 2 + 32)
+    hist = np.bincount(sample >> PASSES[0][0], minlength=BINS)
+    chosen, _ = choose_bin(hist, target)
+    return chosen << PASSES[0][0]
+
+
+def gather(keys: np.ndarray, lead: int, min_key: int) -> np.ndarray | None:
+    """GatherCandidates: the positions with key >= min_key, warp slice by warp slice (the lists in
+    warp order), or None when a slice holds more than LIST."""
     length = len(keys)
     groups = -(-(length + lead) // 4)
     per_warp = -(-groups // WARPS)
@@ -44,7 +63,7 @@ def gather(keys: np.ndarray, lead: int, mask: int, prefix: int) -> np.ndarray | 
         g_end = min(groups, g_begin + per_warp)
         lo, hi = max(0, g_begin * 4 - lead), max(0, min(length, g_end * 4 - lead))
         slice_positions = np.arange(lo, hi)
-        kept = slice_positions[(keys[lo:hi] & mask) >= prefix]
+        kept = slice_positions[keys[lo:hi] >= min_key]
         if len(kept) > LIST:
             return None
         lists.append(kept)
@@ -63,9 +82,11 @@ def one_cta_model(row: np.ndarray, lead: int, k: int, paths: collections.Counter
     candidates = None
     pass_index = 0
     decided = False
-    while pass_index < len(PASSES) and not decided:
+
+    def radix_pass(source_keys):
+        nonlocal prefix, mask, remaining, decided, pass_index
         shift, digit_mask = PASSES[pass_index]
-        matching = keys[(keys & mask) == prefix]
+        matching = source_keys[(source_keys & mask) == prefix]
         hist = np.bincount((matching >> shift) & digit_mask, minlength=BINS)
         chosen, above = choose_bin(hist, remaining)
         remaining -= above
@@ -73,23 +94,28 @@ def one_cta_model(row: np.ndarray, lead: int, k: int, paths: collections.Counter
         mask |= digit_mask << shift
         decided = int(hist[chosen]) == remaining
         pass_index += 1
-        if k - remaining + int(hist[chosen]) <= GATHER_MAX:
-            candidates = gather(keys, lead, mask, prefix)
-            if candidates is not None:
-                break
+        return int(hist[chosen])
+
+    def gather_if_few(bin_count):
+        if k - remaining + bin_count <= GATHER_MAX:
+            return gather(keys, lead, prefix)
+        return None
+
+    speculated = False
+    if length >= SPECULATE_MIN_LEN:
+        min_key = estimate_gather_key(keys, lead, k)
+        speculative = gather(keys, lead, min_key)  # made in the first pass's read
+        bin_count = radix_pass(keys)
+        if speculative is not None and prefix >= min_key:
+            candidates, speculated = speculative, True
+        else:
+            candidates = gather_if_few(bin_count)
+    while candidates is None and pass_index < len(PASSES) and not decided:
+        candidates = gather_if_few(radix_pass(keys))
     if candidates is not None:
-        paths[f"gathered after pass {pass_index}"] += 1
+        paths["speculative gather" if speculated else f"gathered after pass {pass_index}"] += 1
         while pass_index < len(PASSES) and not decided:
-            shift, digit_mask = PASSES[pass_index]
-            candidate_keys = keys[candidates]
-            matching = candidate_keys[(candidate_keys & mask) == prefix]
-            hist = np.bincount((matching >> shift) & digit_mask, minlength=BINS)
-            chosen, above = choose_bin(hist, remaining)
-            remaining -= above
-            prefix |= chosen << shift
-            mask |= digit_mask << shift
-            decided = int(hist[chosen]) == remaining
-            pass_index += 1
+            radix_pass(keys[candidates])
         order = candidates  # the lists in warp order: ascending positions
     else:
         paths["reread"] += 1
@@ -107,12 +133,13 @@ def one_cta_model(row: np.ndarray, lead: int, k: int, paths: collections.Counter
     return out
 
 
-NUM_CASES = 13
+NUM_CASES = 14
 
 
 def model_row(rng: np.random.Generator, case: int, width: int) -> np.ndarray:
-    """adversarial_row's cases 0-9, and the GPU tests' three cases for the gather: ties inside the
-    threshold bin, a run of equal top values longer than one list, values in one exponent."""
+    """adversarial_row's cases 0-9, and the GPU tests' four cases for the gather: ties inside the
+    threshold bin, a run of equal top values longer than one list, values in one exponent, large
+    values where the sample looks (fewer than k of them in the row, far more in the sample)."""
     if case < 10:
         return adversarial_row(rng, case, width)
     row = rng.standard_normal(width).astype(np.float32)
@@ -121,8 +148,10 @@ def model_row(rng: np.random.Generator, case: int, width: int) -> np.ndarray:
     elif case == 11:
         first = rng.integers(0, max(1, width - 600))
         row[first:first + 600] = 5.0
-    else:
+    elif case == 12:
         row[:] = 3 + row * np.float32(0.1)
+    else:  # 2000 large values on the first 500 sampled groups (lead 0): the sample overestimates
+        row[(np.arange(500)[:, None] * (width // 512) + np.arange(4)).ravel() % width] = 10.0
     return row
 
 
@@ -146,6 +175,6 @@ def test_the_grid_takes_every_path():
     paths = collections.Counter()
     for width in (131072, 20001, 100):
         check_rows(0, width, 2048, paths)
-    for path in ("gathered after pass 1", "gathered after pass 2", "gathered after pass 3",
-                 "reread", "whole row"):
+    for path in ("speculative gather", "gathered after pass 1", "gathered after pass 2",
+                 "gathered after pass 3", "reread", "whole row"):
         assert paths[path] > 0, (path, dict(paths))
