@@ -121,6 +121,19 @@ def _sm90_fp8_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_sca
     return out, lse
 
 
+def slower_than_pure_jax(problem: registry.Problem) -> str | None:
+    """One token over an e4m3 cache: in a jitted loop of 200 single-token decodes on an H100
+    (benchmarks/results/sm90_h100.json, decode_loop), pure JAX took 18.85 / 24.04 us per step at 16 /
+    128 heads where this kernel and its merge took 48.82 / 42.48; their kernel times were about the
+    same (15.27 / 20.88 against 15.5 / 22.3 us). Over fp8_ds_mla this kernel keeps one token: its
+    kernels took 16.71 / 22.1 us against pure JAX's 28.62 / 41.4 (the steps 47.3 / 45.2 against
+    31.1 / 45.3: the loop's launch gaps around the custom call, docs/kernels/sm90-fp8.md)."""
+    if problem.num_tokens == 1 and problem.kv_layout == "fp8_e4m3":
+        return ("pure JAX measured faster with one token over an e4m3 cache (H100 decode loop: "
+                "18.9 / 24.0 against 48.8 / 42.5 us per step at 16 / 128 heads)")
+    return None
+
+
 registry.register_kernel(registry.SparseMLAKernel(
     name="sm90_fp8",
     native=True,
@@ -129,4 +142,5 @@ registry.register_kernel(registry.SparseMLAKernel(
     q_dtypes=("bfloat16", "float8_e4m3fn"),
     fn=_sm90_fp8_kernel,
     available=lambda: native.has_target(TARGET),
+    slower_than_pure_jax=slower_than_pure_jax,
 ))

@@ -178,8 +178,25 @@ def test_auto_runs_pure_jax_where_flashinfer_measured_slower(fake_gpu, num_heads
     assert registry.select_kernel("bfloat16", "bfloat16", "native", one).name == "sm90_flashinfer_fa3"
     two = problem(num_tokens=2, num_heads=num_heads)
     assert registry.select_kernel("bfloat16", "bfloat16", "auto", two).name == "sm90_flashinfer_fa3"
-    fp8 = problem(num_tokens=1, num_heads=num_heads, kv_layout="fp8_e4m3")
-    assert registry.select_kernel("fp8_e4m3", "bfloat16", "auto", fp8).name == "sm90_fp8"
+    ds_mla = problem(num_tokens=1, num_heads=num_heads, kv_layout="fp8_ds_mla")
+    assert registry.select_kernel("fp8_ds_mla", "bfloat16", "auto", ds_mla).name == "sm90_fp8"
+
+
+@pytest.mark.parametrize("num_heads", [16, 128])
+def test_auto_runs_pure_jax_for_one_token_over_an_e4m3_cache(fake_gpu, num_heads):
+    """One token over an e4m3 cache: both native kernels lost to pure JAX in the H100 decode loop, so
+    "auto" passes over both (not from ours to FlashInfer's); "native" still runs ours; two tokens
+    keep it."""
+    fake_gpu((9, 0))
+    one = problem(num_tokens=1, num_heads=num_heads, kv_layout="fp8_e4m3")
+    assert registry.select_kernel("fp8_e4m3", "bfloat16", "auto", one).name == "xla"
+    for name in ("sm90_fp8", "sm90_flashinfer_fa3"):
+        kernel = next(k for k in registry.registered_kernels() if k.name == name)
+        why = registry.auto_rejection_reason(kernel, "fp8_e4m3", "bfloat16", one)
+        assert "pure JAX measured faster with one token over an e4m3 cache" in why
+    assert registry.select_kernel("fp8_e4m3", "bfloat16", "native", one).name == "sm90_fp8"
+    two = problem(num_tokens=2, num_heads=num_heads, kv_layout="fp8_e4m3")
+    assert registry.select_kernel("fp8_e4m3", "bfloat16", "auto", two).name == "sm90_fp8"
 
 
 def test_auto_falls_back_and_native_explains(fake_gpu):
