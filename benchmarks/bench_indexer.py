@@ -14,9 +14,11 @@ next_n = 1, H = 64, k = 2048):
           default --backends) and "xla" (pure JAX)
   topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
           (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to), "torch"
-          (torch.topk(logits, 2048)) and, with --backends one_cta, the one-CTA SM90 kernel called by
-          name (`sm90_topk`, which "auto" keeps for rows of at most 8192 positions; beside
-          "native", the cluster form, it shows where the shape rule comes from)
+          (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_deep, the one-CTA
+          SM90 kernel called by name (`sm90_topk`, which "auto" keeps for rows of at most 8192
+          positions; beside "native", the cluster form, it shows where the shape rule comes from;
+          `sm90_topk_deep`, its build for one CTA per SM, which nothing runs until it is
+          validated)
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
           "xla"
   GB/s counts the bytes the op must move at least: logits the fp8 keys, 132 bytes per cached token
@@ -68,6 +70,8 @@ PREFILL_ROWS = 4096
 DECODE_SETS = 4
 PREFILL_SETS = 2
 PREFILL_CALLS = 6
+# Top-k kernels the --backends of these names call by their registered name (decode rows only).
+BY_NAME = {"one_cta": "sm90_topk", "one_cta_deep": "sm90_topk_deep"}
 
 
 def make_decode_inputs(batch, context, seed=0):
@@ -184,11 +188,13 @@ def bench_decode(batch, context, backends, calls, timer, record):
         measure("topk", "lax_top_k",
                 lambda: timed(timer, lambda s: jax.lax.top_k(s, TOP_K)[1], score_sets, (), calls),
                 logits_bytes + index_bytes)
-    if "one_cta" in backends:
-        one_cta = next(k.fn for k in registry.registered_op_kernels("top_k_per_row_decode")
-                       if k.name == "sm90_topk")
-        measure("topk", "one_cta",
-                lambda: timed(timer, lambda s, lengths: one_cta(s, lengths, next_n=1, k=TOP_K),
+    for backend, kernel_name in BY_NAME.items():
+        if backend not in backends:
+            continue
+        kernel = next(k.fn for k in registry.registered_op_kernels("top_k_per_row_decode")
+                      if k.name == kernel_name)
+        measure("topk", backend,
+                lambda: timed(timer, lambda s, lengths: kernel(s, lengths, next_n=1, k=TOP_K),
                               score_sets, (lengths,), calls),
                 logits_bytes + index_bytes)
     if "torch" in backends:
@@ -282,7 +288,7 @@ def main(argv=None):
     parser.add_argument("--xla-prefill-max-keys", type=int, default=8192,
                         help="largest N whose prefill rows also run pure JAX (it is slow)")
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
-                        choices=["native", "auto", "xla", "torch", "one_cta"])
+                        choices=["native", "auto", "xla", "torch", *BY_NAME])
     parser.add_argument("--calls", type=int, default=20, help="timed calls per decode row")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")

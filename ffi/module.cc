@@ -46,6 +46,10 @@ nb::dict Registrations() {
       EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogitsWgmma);
   targets["jax_sparse_mla_sm90_mqa_logits_wgmma"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogitsWgmma);
+  targets["jax_sparse_mla_sm90_paged_mqa_logits_overlap"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogitsOverlap);
+  targets["jax_sparse_mla_sm90_mqa_logits_overlap"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogitsOverlap);
   targets["jax_sparse_mla_sm90_top_k_per_row"] = EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRow);
   targets["jax_sparse_mla_sm90_top_k_per_row_decode"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecode);
@@ -53,6 +57,10 @@ nb::dict Registrations() {
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowCluster);
   targets["jax_sparse_mla_sm90_top_k_per_row_decode_cluster"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeCluster);
+  targets["jax_sparse_mla_sm90_top_k_per_row_deep"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDeep);
+  targets["jax_sparse_mla_sm90_top_k_per_row_decode_deep"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeDeep);
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM100
   targets["jax_sparse_mla_trtllm_gen_decode"] = EncapsulateFfiHandler(JaxSparseMlaTrtllmGenDecode);

@@ -1,6 +1,6 @@
 // XLA FFI handlers of the lightning indexer's fp8 MQA logits on SM90 (indexer_logits.cuh), each in
-// two forms (mma.sync and warpgroup MMA): one kernel launch each, no host synchronisation, no
-// allocation.
+// three forms (indexer::Form: mma.sync, warpgroup MMA, warpgroup MMA with the epilogue overlapped):
+// one kernel launch each, no host synchronisation, no allocation.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -28,12 +28,12 @@ ffi::Error ArgumentError(const char* op, const std::string& what) {
 
 using sm90::RaiseSharedMemoryLimit;
 
-template <int kHeads, int kNextN, bool kWgmma>
+template <int kHeads, int kNextN, Form kForm>
 cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t batch,
                         cudaStream_t stream) {
   using L = Layout<kHeads, kNextN>;
-  constexpr auto kKernel = PagedMqaLogitsKernel<L, kWgmma>;
-  constexpr int kBytes = kKernelSmemBytes<L, kWgmma>;
+  constexpr auto kKernel = PagedMqaLogitsKernel<L, kForm>;
+  constexpr int kBytes = kKernelSmemBytes<L, kForm>;
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
@@ -42,12 +42,12 @@ cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t b
   return cudaGetLastError();
 }
 
-template <int kHeads, int kRows, bool kWgmma>
+template <int kHeads, int kRows, Form kForm>
 cudaError_t LaunchRagged(const RaggedParams& params, int64_t num_row_blocks, int64_t num_chunks,
                          cudaStream_t stream) {
   using L = Layout<kHeads, kRows>;
-  constexpr auto kKernel = RaggedMqaLogitsKernel<L, kWgmma>;
-  constexpr int kBytes = kKernelSmemBytes<L, kWgmma>;
+  constexpr auto kKernel = RaggedMqaLogitsKernel<L, kForm>;
+  constexpr int kBytes = kKernelSmemBytes<L, kForm>;
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
@@ -61,7 +61,7 @@ ffi::Error LaunchError(const char* op, cudaError_t status) {
                               cudaGetErrorString(status));
 }
 
-template <bool kWgmma>
+template <Form kForm>
 ffi::Error PagedMqaLogits(cudaStream_t stream,
                           ffi::AnyBuffer q,                     // [B, next_n, H, 128] e4m3
                           ffi::Buffer<ffi::U8> index_cache,     // [num_blocks, 64, 132]
@@ -127,17 +127,17 @@ ffi::Error PagedMqaLogits(cudaStream_t stream,
 
   cudaError_t status;
   if (num_heads == 64) {
-    status = next_n == 1 ? LaunchPaged<64, 1, kWgmma>(params, num_chunks, batch, stream)
-                         : LaunchPaged<64, 2, kWgmma>(params, num_chunks, batch, stream);
+    status = next_n == 1 ? LaunchPaged<64, 1, kForm>(params, num_chunks, batch, stream)
+                         : LaunchPaged<64, 2, kForm>(params, num_chunks, batch, stream);
   } else {
-    status = next_n == 1 ? LaunchPaged<32, 1, kWgmma>(params, num_chunks, batch, stream)
-                         : LaunchPaged<32, 2, kWgmma>(params, num_chunks, batch, stream);
+    status = next_n == 1 ? LaunchPaged<32, 1, kForm>(params, num_chunks, batch, stream)
+                         : LaunchPaged<32, 2, kForm>(params, num_chunks, batch, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
 }
 
-template <bool kWgmma>
+template <Form kForm>
 ffi::Error MqaLogits(cudaStream_t stream,
                      ffi::AnyBuffer q,                    // [M, H, 128] e4m3
                      ffi::AnyBuffer keys,                 // [N, 128] e4m3
@@ -203,9 +203,9 @@ ffi::Error MqaLogits(cudaStream_t stream,
   // 128 query columns per CTA (two groups of 4 warps): 2 rows of 64 heads or 4 rows of 32.
   cudaError_t status;
   if (num_heads == 64) {
-    status = LaunchRagged<64, 2, kWgmma>(params, (num_rows + 1) / 2, num_chunks, stream);
+    status = LaunchRagged<64, 2, kForm>(params, (num_rows + 1) / 2, num_chunks, stream);
   } else {
-    status = LaunchRagged<32, 4, kWgmma>(params, (num_rows + 3) / 4, num_chunks, stream);
+    status = LaunchRagged<32, 4, kForm>(params, (num_rows + 3) / 4, num_chunks, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
@@ -237,18 +237,28 @@ ffi::Error MqaLogits(cudaStream_t stream,
       .Ret<xla::ffi::Buffer<xla::ffi::F32>>()       /* logits */                    \
       .Attr<int64_t>("tiles_per_cta")
 
+namespace logits = jax_sparse_mla::indexer;
+using logits::Form;
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits,
-                              jax_sparse_mla::indexer::PagedMqaLogits<false>,
+                              logits::PagedMqaLogits<Form::kMmaSync>,
                               JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, jax_sparse_mla::indexer::MqaLogits<false>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, logits::MqaLogits<Form::kMmaSync>,
                               JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsWgmma,
-                              jax_sparse_mla::indexer::PagedMqaLogits<true>,
+                              logits::PagedMqaLogits<Form::kWgmma>,
                               JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsWgmma,
-                              jax_sparse_mla::indexer::MqaLogits<true>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsWgmma, logits::MqaLogits<Form::kWgmma>,
+                              JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsOverlap,
+                              logits::PagedMqaLogits<Form::kWgmmaOverlap>,
+                              JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsOverlap,
+                              logits::MqaLogits<Form::kWgmmaOverlap>,
                               JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -102,6 +102,16 @@ struct Layout {
   static_assert(2 * kWarpRows <= 4, "a quad's 4 lanes store 2 keys x kWarpRows rows");
 };
 
+// How a CTA computes its tiles' dot products (the template parameter of both kernels):
+//   kMmaSync       mma.sync m16n8k32, the query as B fragments in registers;
+//   kWgmma         one warpgroup MMA per k-step, the query as B in shared memory, each tile's MMAs
+//                  waited for before its epilogue;
+//   kWgmmaOverlap  the same MMAs, with tile i + 1's issued before tile i's epilogue, which then
+//                  runs while they execute (RunTiles).
+enum class Form { kMmaSync, kWgmma, kWgmmaOverlap };
+
+__host__ __device__ constexpr bool UsesWgmma(Form form) { return form != Form::kMmaSync; }
+
 // ---- PTX wrappers -------------------------------------------------------------------------------
 
 using sm90::ArriveExpectBytes;
@@ -126,6 +136,13 @@ __device__ __forceinline__ float NegativeInfinity() { return __int_as_float(0xff
 
 // relu that keeps NaN (as jnp.maximum(x, 0) does; fmaxf would turn NaN into 0).
 __device__ __forceinline__ float Relu(float x) { return x < 0.0f ? 0.0f : x; }
+
+// The same in one instruction (`Relu` compiles to a compare and a select).
+__device__ __forceinline__ float ReluOneInstruction(float x) {
+  float y;
+  asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // ---- warp-level pieces shared by both kernels --------------------------------------------------
 
@@ -200,8 +217,10 @@ __device__ __forceinline__ void LoadKeyChunk(uint32_t (&words)[8], const uint8_t
 
 // The warp's head sums from its accumulators (acc[n][0..1]: key g, columns 2t, 2t + 1 of n8 tile n;
 // acc[n][2..3]: key g + 8, same columns): lo[r] / hi[r] = sum over the heads of the warp's row r of
-// w * relu(q . k), complete in every lane of the quad.
-template <class L>
+// w * relu(q . k), complete in every lane of the quad. kFewerInstructions (the overlapped form):
+// relu in one instruction and one fused multiply-add per accumulator, 2 instructions where the
+// other forms spend about 3.5 (the sums round differently, within the fp32 accumulation's error).
+template <class L, bool kFewerInstructions = false>
 __device__ __forceinline__ void HeadSums(const float (&acc)[L::kNTiles][4],
                                          const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
                                          float (&hi)[L::kWarpRows]) {
@@ -210,8 +229,15 @@ __device__ __forceinline__ void HeadSums(const float (&acc)[L::kNTiles][4],
 #pragma unroll
   for (int n = 0; n < L::kNTiles; ++n) {
     const int r = n * 8 / L::kHeads;
-    lo[r] += hw.w[n][0] * Relu(acc[n][0]) + hw.w[n][1] * Relu(acc[n][1]);
-    hi[r] += hw.w[n][0] * Relu(acc[n][2]) + hw.w[n][1] * Relu(acc[n][3]);
+    if constexpr (kFewerInstructions) {
+      lo[r] = fmaf(hw.w[n][0], ReluOneInstruction(acc[n][0]), lo[r]);
+      lo[r] = fmaf(hw.w[n][1], ReluOneInstruction(acc[n][1]), lo[r]);
+      hi[r] = fmaf(hw.w[n][0], ReluOneInstruction(acc[n][2]), hi[r]);
+      hi[r] = fmaf(hw.w[n][1], ReluOneInstruction(acc[n][3]), hi[r]);
+    } else {
+      lo[r] += hw.w[n][0] * Relu(acc[n][0]) + hw.w[n][1] * Relu(acc[n][1]);
+      hi[r] += hw.w[n][0] * Relu(acc[n][2]) + hw.w[n][1] * Relu(acc[n][3]);
+    }
   }
 #pragma unroll
   for (int r = 0; r < L::kWarpRows; ++r) {
@@ -317,39 +343,52 @@ __device__ __forceinline__ void StoreQueryOperand(uint8_t* operand, const uint8_
   }
 }
 
-// wgmma form of TileHeadSums: the warpgroup `group` (all 128 threads must call it together) with
-// its B operand described by `query` (k-step 0).
+// The wgmma form of TileHeadSums, in two halves, so that a warpgroup can run one tile's epilogue
+// while the next tile's MMAs execute (RunTiles): Issue loads a tile's key fragments into `keys` and
+// issues its four k-steps into `acc` as one batch; Sums, once a warpgroup_wait has retired that
+// batch, reduces `acc`. The key fragments are read by the MMAs until they complete, so `keys` is
+// reloaded only after a wait that retires them.
+struct KeyFragment {
+  uint32_t lo[8], hi[8];
+};
+
 template <class L>
-__device__ __forceinline__ void TileHeadSumsWgmma(const uint8_t* tile, int mtile, int lane,
-                                                  uint64_t query, const HeadWeights<L>& hw,
-                                                  float (&lo)[L::kWarpRows],
-                                                  float (&hi)[L::kWarpRows]) {
-  using Mma = WgmmaE4m3<L::kWarpCols>;
-  // A k-step is 32 logical k: two 16-byte K chunks, in descriptor units of 16 bytes.
-  constexpr uint64_t kStep = 2 * L::kWarpCols * 16 / 16;
-  uint32_t a_lo[8], a_hi[8];
-  LoadKeyFragment(tile, mtile, lane, a_lo, a_hi);
-  float acc[L::kNTiles][4] = {};
-  float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
+struct WgmmaTile {
+  float acc[L::kNTiles][4];
+
+  // The warpgroup `group` (all 128 threads together), B operand described by `query` (k-step 0).
+  __device__ __forceinline__ void Issue(KeyFragment& keys, const uint8_t* tile, int mtile, int lane,
+                                        uint64_t query) {
+    using Mma = WgmmaE4m3<L::kWarpCols>;
+    // A k-step is 32 logical k: two 16-byte K chunks, in descriptor units of 16 bytes.
+    constexpr uint64_t kStep = 2 * L::kWarpCols * 16 / 16;
 #pragma unroll
-  for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
-  cute::warpgroup_arrive();
+    for (int i = 0; i < 8; ++i) {  // the MMAs that read them before have completed
+      cute::warpgroup_fence_operand(keys.lo[i]);
+      cute::warpgroup_fence_operand(keys.hi[i]);
+    }
+    LoadKeyFragment(tile, mtile, lane, keys.lo, keys.hi);
+    float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
 #pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-    RunWgmma<Mma>(a_lo[2 * ks], a_hi[2 * ks], a_lo[2 * ks + 1], a_hi[2 * ks + 1],
-                  query + ks * kStep, d, ks > 0, std::make_index_sequence<L::kNTiles * 4>{});
+    for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      RunWgmma<Mma>(keys.lo[2 * ks], keys.hi[2 * ks], keys.lo[2 * ks + 1], keys.hi[2 * ks + 1],
+                    query + ks * kStep, d, ks > 0, std::make_index_sequence<L::kNTiles * 4>{});
+    }
+    cute::warpgroup_commit_batch();
   }
-  cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<0>();
+
+  template <bool kFewerInstructions>
+  __device__ __forceinline__ void Sums(const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
+                                       float (&hi)[L::kWarpRows]) {
+    float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
 #pragma unroll
-  for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {  // the MMAs read these registers until they complete
-    cute::warpgroup_fence_operand(a_lo[i]);
-    cute::warpgroup_fence_operand(a_hi[i]);
+    for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
+    HeadSums<L, kFewerInstructions>(acc, hw, lo, hi);
   }
-  HeadSums<L>(acc, hw, lo, hi);
-}
+};
 
 // Lane t of a quad stores one of the quad's 2 x kWarpRows results: row t / 2 of the warp, key
 // g + 8 * (t % 2) of the m16 tile (lanes with t >= 2 * kWarpRows store nothing).
@@ -368,8 +407,9 @@ __device__ __forceinline__ float PickResult(const float (&lo)[L::kWarpRows],
 
 // Dynamic shared memory of a kernel: the ring of stages and its barriers, then (wgmma form) the
 // query operand (16-byte aligned: kSmemBytes is a multiple of 16).
-template <class L, bool kWgmma>
-inline constexpr int kKernelSmemBytes = kSmemBytes + (kWgmma ? kQueryOperandBytes<L> : 0);
+template <class L, Form kForm>
+inline constexpr int kKernelSmemBytes =
+    kSmemBytes + (UsesWgmma(kForm) ? kQueryOperandBytes<L> : 0);
 static_assert(kSmemBytes % 16 == 0);
 
 // The query of the CTA's rows as the kernels' MMAs take it: B fragments in registers (mma.sync
@@ -390,20 +430,94 @@ struct Query {
       LoadQuery<L>(fragment, q_cta, group, lane, valid_rows);
     }
   }
-
-  __device__ __forceinline__ void TileHeadSums(const uint8_t* tile, int mtile, int lane,
-                                               const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
-                                               float (&hi)[L::kWarpRows]) const {
-    if constexpr (kWgmma) {
-      TileHeadSumsWgmma<L>(tile, mtile, lane, descriptor, hw, lo, hi);
-    } else {
-      indexer::TileHeadSums<L>(tile, mtile, lane, fragment, hw, lo, hi);
-    }
-  }
 };
 
-template <class L, bool kWgmma>
-__global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
+// The tile loop of both kernels over the CTA's num_loads tiles in the ring (tile i in stage
+// i % kStages, complete when full[stage] flips): per tile, `epilogue(i, page, value)` stores the
+// lane's result (PickResult), then the CTA synchronises and `refill(i)` may refill the stage (every
+// warp is done with it). The overlapped form issues tile i + 1's MMAs before tile i's epilogue,
+// which then runs while they execute.
+template <class L, Form kForm, class Epilogue, class Refill>
+__device__ __forceinline__ void RunTiles(const Query<L, UsesWgmma(kForm)>& query,
+                                         const uint8_t* stages, uint64_t* full, int num_loads,
+                                         int mtile, int lane, const HeadWeights<L>& hw,
+                                         Epilogue&& epilogue, Refill&& refill) {
+  const int t = lane & 3;
+  auto page = [&](int i) { return stages + (i % kStages) * kPageBytes; };
+  auto wait = [&](int i) { WaitBarrier(&full[i % kStages], (i / kStages) & 1); };
+  auto finish = [&](int i, const float(&lo)[L::kWarpRows], const float(&hi)[L::kWarpRows]) {
+    epilogue(i, page(i), PickResult<L>(lo, hi, t));
+    __syncthreads();  // every warp is done with this stage (its MMAs read registers, not it)
+    refill(i);
+  };
+  if constexpr (kForm == Form::kWgmma) {
+    KeyFragment keys;
+    for (int i = 0; i < num_loads; ++i) {
+      WgmmaTile<L> tile;
+      wait(i);
+      tile.Issue(keys, page(i), mtile, lane, query.descriptor);
+      cute::warpgroup_wait<0>();
+      float lo[L::kWarpRows], hi[L::kWarpRows];
+      tile.template Sums<false>(hw, lo, hi);
+      finish(i, lo, hi);
+    }
+  } else if constexpr (kForm == Form::kWgmmaOverlap) {
+    // Tiles 2j and 2j + 1 accumulate in two named sets of registers, so that tile i's epilogue
+    // runs while tile i + 1's MMAs execute; one set of key fragments serves both, reloaded after
+    // the wait that retires the MMAs reading it. ptxas tracks which accumulators a wait retires
+    // only where every path issues the same MMAs, so the loop body issues unconditionally (`even`
+    // in flight at its top and at its end) and the last one or two tiles are peeled after it: with
+    // an issue under a condition it serialises every wgmma of the kernel.
+    KeyFragment keys;
+    WgmmaTile<L> even, odd;
+    auto issue = [&](int i, WgmmaTile<L>& tile) {
+      wait(i);
+      tile.Issue(keys, page(i), mtile, lane, query.descriptor);
+    };
+    auto sums_and_finish = [&](int i, WgmmaTile<L>& tile) {
+      float lo[L::kWarpRows], hi[L::kWarpRows];
+      tile.template Sums<true>(hw, lo, hi);
+      finish(i, lo, hi);
+    };
+    issue(0, even);
+    int i = 0;
+    for (; i + 2 < num_loads; i += 2) {
+      cute::warpgroup_wait<0>();  // tile i's MMAs are done
+      issue(i + 1, odd);
+      sums_and_finish(i, even);
+      cute::warpgroup_wait<0>();
+      issue(i + 2, even);
+      sums_and_finish(i + 1, odd);
+    }
+    cute::warpgroup_wait<0>();
+    if (i + 1 < num_loads) {
+      issue(i + 1, odd);
+      sums_and_finish(i, even);
+      cute::warpgroup_wait<0>();
+      sums_and_finish(i + 1, odd);
+    } else {
+      sums_and_finish(i, even);
+    }
+  } else {
+    for (int i = 0; i < num_loads; ++i) {
+      wait(i);
+      float lo[L::kWarpRows], hi[L::kWarpRows];
+      TileHeadSums<L>(page(i), mtile, lane, query.fragment, hw, lo, hi);
+      finish(i, lo, hi);
+    }
+  }
+}
+
+// CTAs resident per SM the kernels are compiled for: 3 of 128 threads (168 registers each); of 256,
+// 2 for the overlapped form (128 registers, where its two accumulator sets would otherwise take
+// 143 and leave one CTA per SM), 1 for the others (the warpgroup-MMA form needs under 128 anyway;
+// mma.sync's query fragments alone take 128).
+template <class L, Form kForm>
+inline constexpr int kMinCtasPerSm =
+    L::kThreads == 128 ? 3 : (kForm == Form::kWgmmaOverlap ? 2 : 1);
+
+template <class L, Form kForm>
+__global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
     PagedMqaLogitsKernel(const PagedParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
@@ -445,7 +559,7 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, t0 + s);
   }
 
-  Query<L, kWgmma> query;
+  Query<L, UsesWgmma(kForm)> query;
   query.Load(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim, smem + kSmemBytes, group,
              lane, L::kRows);
   HeadWeights<L> hw;
@@ -459,28 +573,25 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
   const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
   __syncthreads();  // the barriers are initialised (and the query operand stored)
 
-  for (int i = 0; i < num_loads; ++i) {
-    const int stage = i % kStages;
-    WaitBarrier(&full[stage], (i / kStages) & 1);
-    const uint8_t* page = smem + stage * kPageBytes;
-    float lo[L::kWarpRows], hi[L::kWarpRows];
-    query.TileHeadSums(page, mtile, lane, hw, lo, hi);
-    const float value = PickResult<L>(lo, hi, t);
-    const int key = (t0 + i) * kTileKeys + key_in_tile;
-    if (stores && key < width) {
-      const float scale = reinterpret_cast<const float*>(page + kTileValueBytes)[key_in_tile];
-      out[static_cast<int64_t>(row) * width + key] = key < limit ? value * scale
-                                                                 : NegativeInfinity();
-    }
-    __syncthreads();  // every warp is done with this stage before it is refilled
-    if (tid == 0 && i + kStages < num_loads) issue(stage, t0 + i + kStages);
-  }
+  RunTiles<L, kForm>(
+      query, smem, full, num_loads, mtile, lane, hw,
+      [&](int i, const uint8_t* page, float value) {
+        const int key = (t0 + i) * kTileKeys + key_in_tile;
+        if (stores && key < width) {
+          const float scale = reinterpret_cast<const float*>(page + kTileValueBytes)[key_in_tile];
+          out[static_cast<int64_t>(row) * width + key] = key < limit ? value * scale
+                                                                     : NegativeInfinity();
+        }
+      },
+      [&](int i) {
+        if (tid == 0 && i + kStages < num_loads) issue(i % kStages, t0 + i + kStages);
+      });
 }
 
 // ---- prefill: ragged logits ---------------------------------------------------------------------
 
-template <class L, bool kWgmma>
-__global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
+template <class L, Form kForm>
+__global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
     RaggedMqaLogitsKernel(const RaggedParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
@@ -536,7 +647,7 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, load_begin + s);
   }
 
-  Query<L, kWgmma> query;
+  Query<L, UsesWgmma(kForm)> query;
   query.Load(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim, smem + kSmemBytes, group,
              lane, valid_rows);
   HeadWeights<L> hw;
@@ -550,20 +661,32 @@ __global__ void __launch_bounds__(L::kThreads, L::kThreads == 128 ? 3 : 1)
   const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
   __syncthreads();  // the barriers are initialised (and the query operand stored)
 
-  for (int i = 0; i < num_loads; ++i) {
-    const int stage = i % kStages;
-    WaitBarrier(&full[stage], (i / kStages) & 1);
-    float lo[L::kWarpRows], hi[L::kWarpRows];
-    query.TileHeadSums(smem + stage * kPageBytes, mtile, lane, hw, lo, hi);
-    const float value = PickResult<L>(lo, hi, t);
+  // The key scales come from global memory (the stages hold only values). The overlapped form
+  // loads each tile's one tile ahead, so that its latency hides behind a tile's work instead of
+  // stalling the epilogue; the others load it in the epilogue.
+  auto load_scale = [&](int i) {
     const int key = (load_begin + i) * kTileKeys + key_in_tile;
-    if (stores && key < num_keys) {
-      out[static_cast<int64_t>(row) * num_keys + key] =
-          key >= start && key < end ? value * __ldg(p.key_scale + key) : NegativeInfinity();
-    }
-    __syncthreads();  // every warp is done with this stage before it is refilled
-    if (tid == 0 && i + kStages < num_loads) issue(stage, load_begin + i + kStages);
-  }
+    return stores && key < num_keys ? __ldg(p.key_scale + key) : 0.0f;
+  };
+  constexpr bool kScaleAhead = kForm == Form::kWgmmaOverlap;
+  float next_scale = kScaleAhead ? load_scale(0) : 0.0f;
+  RunTiles<L, kForm>(
+      query, smem, full, num_loads, mtile, lane, hw,
+      [&](int i, const uint8_t*, float value) {
+        const int key = (load_begin + i) * kTileKeys + key_in_tile;
+        float scale = next_scale;
+        if constexpr (kScaleAhead) {
+          if (i + 1 < num_loads) next_scale = load_scale(i + 1);
+        }
+        if (stores && key < num_keys) {
+          if constexpr (!kScaleAhead) scale = __ldg(p.key_scale + key);
+          out[static_cast<int64_t>(row) * num_keys + key] =
+              key >= start && key < end ? value * scale : NegativeInfinity();
+        }
+      },
+      [&](int i) {
+        if (tid == 0 && i + kStages < num_loads) issue(i % kStages, load_begin + i + kStages);
+      });
 }
 
 }  // namespace jax_sparse_mla::indexer

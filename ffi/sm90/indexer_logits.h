@@ -14,3 +14,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits);
 // The same two ops on warpgroup MMAs (native e4m3 on SM90).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsWgmma);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsWgmma);
+// The same two ops on warpgroup MMAs with each tile's epilogue overlapping the next tile's MMAs.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsOverlap);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsOverlap);

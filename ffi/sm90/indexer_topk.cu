@@ -57,16 +57,40 @@ ffi::Error LaunchError(const char* op, cudaError_t status) {
                               cudaGetErrorString(status));
 }
 
-// One CTA per row.
+template <int kCtasPerSm>
+cudaError_t LaunchPerRowKernel(const TopKParams& params, int64_t num_rows, cudaStream_t stream) {
+  constexpr auto kKernel = TopKPerRowKernel<kCtasPerSm>;
+  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<kKernel, kCandidateBytes>();
+      status != cudaSuccess) {
+    return status;
+  }
+  kKernel<<<static_cast<unsigned>(num_rows), kThreads, kCandidateBytes, stream>>>(params);
+  return cudaGetLastError();
+}
+
+cudaError_t SmCount(int* num_sms) {
+  int device = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+}
+
+// One CTA per row: two per SM; with kDeep, while the rows fit one wave (at most one CTA per SM
+// whatever the kernel's occupancy), the build for one CTA per SM, whose registers hold twice the
+// loads in flight.
+template <bool kDeep>
 ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_rows,
                         cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
-  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<TopKPerRowKernel, kCandidateBytes>();
-      status != cudaSuccess) {
-    return LaunchError(op, status);
+  bool one_wave = false;
+  if constexpr (kDeep) {
+    int num_sms = 0;
+    if (cudaError_t status = SmCount(&num_sms); status != cudaSuccess) {
+      return LaunchError(op, status);
+    }
+    one_wave = num_rows <= num_sms;
   }
-  TopKPerRowKernel<<<static_cast<unsigned>(num_rows), kThreads, kCandidateBytes, stream>>>(params);
-  const cudaError_t status = cudaGetLastError();
+  const cudaError_t status = one_wave ? LaunchPerRowKernel<1>(params, num_rows, stream)
+                                      : LaunchPerRowKernel<2>(params, num_rows, stream);
   return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
 }
 
@@ -74,14 +98,8 @@ ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_ro
 ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_rows,
                          cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
-  int device = 0, num_sms = 0;
-  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) {
-    return LaunchError(op, status);
-  }
-  if (cudaError_t status = cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, device);
-      status != cudaSuccess) {
-    return LaunchError(op, status);
-  }
+  int num_sms = 0;
+  if (cudaError_t status = SmCount(&num_sms); status != cudaSuccess) return LaunchError(op, status);
   ClusterPlan plan;
   if (!PlanCluster(num_rows, params.width, num_sms, &plan)) {
     return ArgumentError(op, "rows of " + std::to_string(params.width) +
@@ -172,19 +190,29 @@ ffi::Error TopKPerRowDecode(cudaStream_t stream, ffi::Buffer<ffi::F32> logits,  
       .Ret<xla::ffi::Buffer<xla::ffi::S32>>()   /* out */               \
       .Attr<int64_t>("next_n")
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxSparseMlaSm90TopKPerRow,
-    jax_sparse_mla::indexer_topk::TopKPerRow<jax_sparse_mla::indexer_topk::LaunchPerRow>,
-    JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxSparseMlaSm90TopKPerRowDecode,
-    jax_sparse_mla::indexer_topk::TopKPerRowDecode<jax_sparse_mla::indexer_topk::LaunchPerRow>,
-    JAX_SPARSE_MLA_TOPK_DECODE_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxSparseMlaSm90TopKPerRowCluster,
-    jax_sparse_mla::indexer_topk::TopKPerRow<jax_sparse_mla::indexer_topk::LaunchCluster>,
-    JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxSparseMlaSm90TopKPerRowDecodeCluster,
-    jax_sparse_mla::indexer_topk::TopKPerRowDecode<jax_sparse_mla::indexer_topk::LaunchCluster>,
-    JAX_SPARSE_MLA_TOPK_DECODE_BINDING, {xla::ffi::Traits::kCmdBufferCompatible});
+namespace topk = jax_sparse_mla::indexer_topk;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRow,
+                              topk::TopKPerRow<topk::LaunchPerRow<false>>,
+                              JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecode,
+                              topk::TopKPerRowDecode<topk::LaunchPerRow<false>>,
+                              JAX_SPARSE_MLA_TOPK_DECODE_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowCluster,
+                              topk::TopKPerRow<topk::LaunchCluster>,
+                              JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeCluster,
+                              topk::TopKPerRowDecode<topk::LaunchCluster>,
+                              JAX_SPARSE_MLA_TOPK_DECODE_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDeep,
+                              topk::TopKPerRow<topk::LaunchPerRow<true>>,
+                              JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeDeep,
+                              topk::TopKPerRowDecode<topk::LaunchPerRow<true>>,
+                              JAX_SPARSE_MLA_TOPK_DECODE_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -248,8 +248,12 @@ constexpr uint32_t kGatherMaxCandidates = kCandidateCapacity / 4 * 3;
 constexpr int64_t kSpeculateMinLen = 98304;
 // Groups sampled per thread (evenly spaced over the row): kThreads * 4 * 4 = 8192 keys.
 constexpr int kSampleGroupsPerThread = 4;
-// Groups a lane loads before it gathers from any (bytes in flight per warp: 32 x 16 x this).
-constexpr int kGatherUnroll = 4;
+// Groups a lane loads before it counts or gathers from any (bytes in flight per warp: 32 x 16 x
+// this). With two CTAs per SM (64 registers a thread) 4 fit without spilling; one CTA per SM, which
+// the kernel runs with while the rows fit one wave, has the registers for 8, and needs them: a
+// single CTA streams an SM's whole share of the rows.
+constexpr int kGatherUnrollShared = 4;
+constexpr int kGatherUnrollAlone = 8;
 
 struct Shared {
   uint32_t hist[kBins];
@@ -290,7 +294,7 @@ __device__ __forceinline__ uint32_t WarpExclusiveCount(uint32_t count, uint32_t*
 // (the first radix pass, made in the same read), and goes on counting after a list is full.
 // Returns, in every thread, whether every list held its keys. Every thread must call it (it
 // synchronises the CTA).
-template <bool kCountFirstDigit = false>
+template <int kGatherUnroll, bool kCountFirstDigit = false>
 __device__ __forceinline__ bool GatherCandidates(const RowView& row, uint32_t min_key,
                                                  const Candidates& candidates, Shared* smem,
                                                  uint32_t* hist = nullptr) {
@@ -504,6 +508,7 @@ __device__ __forceinline__ uint32_t EstimateGatherKey(const RowView& row, int k,
 // candidates are gathered): into hist (zeroed by the caller), the keys matching the prefix by their
 // digit of `pass`. Each thread loads kGatherUnroll groups before it counts any, so that a long row's
 // loads are in flight together.
+template <int kGatherUnroll>
 __device__ __forceinline__ void CountRow(const RowView& row, const RadixState& state, int pass,
                                          uint32_t* hist) {
   const int shift = PassShift(pass);
@@ -550,8 +555,11 @@ __device__ __forceinline__ bool RadixPass(int pass, RadixState* state, Shared* s
   return ChooseThresholdBin(counts, pass, state, smem->warp_sums, &smem->chosen);
 }
 
-// One CTA per row (blockIdx.x), with kCandidateBytes of dynamic shared memory.
-__global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams params) {
+// One CTA per row (blockIdx.x), with kCandidateBytes of dynamic shared memory; kCtasPerSm CTAs
+// resident per SM (2 where the rows take more than one wave, else 1, with deeper loads).
+template <int kCtasPerSm>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm) TopKPerRowKernel(const TopKParams params) {
+  constexpr int kGatherUnroll = kCtasPerSm == 1 ? kGatherUnrollAlone : kGatherUnrollShared;
   extern __shared__ uint4 candidate_smem[];
   __shared__ Shared smem;
   const int64_t r = blockIdx.x;
@@ -583,13 +591,13 @@ __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams
   auto gather_if_few = [&]() {
     const uint32_t num_candidates = static_cast<uint32_t>(k) - state.remaining + smem.chosen.count;
     return num_candidates <= kGatherMaxCandidates &&
-           GatherCandidates(row, state.prefix, candidates, &smem);
+           GatherCandidates<kGatherUnroll>(row, state.prefix, candidates, &smem);
   };
   if (len >= kSpeculateMinLen) {  // block-uniform branch
     const uint32_t min_key = EstimateGatherKey(row, k, &smem);
     bool held = false;
     decided = RadixPass(0, &state, &smem, [&](uint32_t* hist) {
-      held = GatherCandidates<true>(row, min_key, candidates, &smem, hist);
+      held = GatherCandidates<kGatherUnroll, true>(row, min_key, candidates, &smem, hist);
     });
     pass = 1;
     // The lists hold every key >= min_key; the keys that can still be kept are those >= prefix.
@@ -598,7 +606,7 @@ __global__ void __launch_bounds__(kThreads, 2) TopKPerRowKernel(const TopKParams
 #pragma unroll 1
   while (!gathered && pass < kNumPasses && !decided) {
     decided = RadixPass(pass, &state, &smem,
-                        [&](uint32_t* hist) { CountRow(row, state, pass, hist); });
+                        [&](uint32_t* hist) { CountRow<kGatherUnroll>(row, state, pass, hist); });
     ++pass;
     gathered = gather_if_few();
   }

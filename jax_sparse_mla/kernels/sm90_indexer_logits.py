@@ -23,8 +23,14 @@ The warpgroup-MMA form (kernel name "sm90_mqa_logits_wgmma", the same kernels co
 kWgmma): each group of 4 warps issues wgmma m64 n(32 or 64) k32 e4m3 with the keys as A from the
 registers the mma.sync form already loads and the query columns as B from shared memory, which
 Hopper runs natively instead of converting to f16. It passed the same GPU tests on an H100 and
-measured faster than the mma.sync form at every benchmarked shape (docs/indexer.md): both "native"
-and "auto" prefer it where it fits.
+measured faster than the mma.sync form at every benchmarked shape (docs/indexer.md): "auto" prefers
+it where it fits.
+
+The overlapped form (kernel name "sm90_mqa_logits_overlap", the kernels compiled with
+Form::kWgmmaOverlap): the same MMAs, with each warpgroup issuing tile i + 1's before it runs tile i's
+epilogue, so that the tensor cores work while it applies relu, the head weights and the sums.
+Registered with validated=False until it has passed its GPU tests: "native" prefers it, "auto" does
+not run it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ PAGED_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits"
 RAGGED_TARGET = "jax_sparse_mla_sm90_mqa_logits"
 PAGED_WGMMA_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits_wgmma"
 RAGGED_WGMMA_TARGET = "jax_sparse_mla_sm90_mqa_logits_wgmma"
+PAGED_OVERLAP_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits_overlap"
+RAGGED_OVERLAP_TARGET = "jax_sparse_mla_sm90_mqa_logits_overlap"
 # Must match ffi/sm90/indexer_logits.cuh / .cu.
 TILE_KEYS = 64
 MAX_TILES_PER_CTA = 16
@@ -165,7 +173,7 @@ def check_ragged(problem: registry.IndexerProblem, capability=None, *,
     return None
 
 
-def _register(name: str, paged_target: str, ragged_target: str) -> None:
+def _register(name: str, paged_target: str, ragged_target: str, *, validated: bool = True) -> None:
     for op, fn, check, target in (
             ("fp8_paged_mqa_logits", _paged_native, check_paged, paged_target),
             ("fp8_mqa_logits", _ragged_native, check_ragged, ragged_target)):
@@ -173,9 +181,12 @@ def _register(name: str, paged_target: str, ragged_target: str) -> None:
             op=op, name=name, native=True, capability_majors=(9,),
             fn=functools.partial(fn, target=target),
             available=lambda target=target: native.has_target(target),
-            check=functools.partial(check, target=target)))
+            check=functools.partial(check, target=target), validated=validated))
 
 
 _register("sm90_mqa_logits", PAGED_TARGET, RAGGED_TARGET)
 # Registered later, so it is preferred where it fits.
 _register("sm90_mqa_logits_wgmma", PAGED_WGMMA_TARGET, RAGGED_WGMMA_TARGET)
+# The wgmma form with each tile's epilogue overlapping the next tile's MMAs: not yet run on a GPU,
+# so "auto" passes over it; implementation="native" prefers it.
+_register("sm90_mqa_logits_overlap", PAGED_OVERLAP_TARGET, RAGGED_OVERLAP_TARGET, validated=False)

@@ -26,6 +26,12 @@ same GPU tests on an H100 and is preferred by "native" wherever it fits. "auto" 
 it measured faster (`cluster_slower_here`): rows wider than ONE_CTA_MAX_WIDTH positions whose
 clusters fit one wave (few rows: decode at small batch); the one-CTA kernel everywhere else
 (short rows, large batches, prefill). The numbers are in docs/kernels/sm90-indexer.md.
+
+The deep one-CTA form (kernel name "sm90_topk_deep"): the same kernel, built for one CTA per SM (128
+registers a thread, 8 groups of 4 keys loaded per lane before any is counted or gathered instead of
+4), launched that way while the rows fit one wave, where no SM holds two CTAs anyway; the one-CTA
+build otherwise. Registered first and with validated=False until it has passed its GPU tests:
+neither "auto" nor "native" runs it; by name only (the GPU tests, bench_indexer.py's one_cta_deep).
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ TARGET = "jax_sparse_mla_sm90_top_k_per_row"
 TARGET_DECODE = "jax_sparse_mla_sm90_top_k_per_row_decode"
 TARGET_CLUSTER = "jax_sparse_mla_sm90_top_k_per_row_cluster"
 TARGET_DECODE_CLUSTER = "jax_sparse_mla_sm90_top_k_per_row_decode_cluster"
+TARGET_DEEP = "jax_sparse_mla_sm90_top_k_per_row_deep"
+TARGET_DECODE_DEEP = "jax_sparse_mla_sm90_top_k_per_row_decode_deep"
 # The kernel indexes rows with the grid's x dimension and holds positions, the width S and k as
 # int32 (the handler rejects anything larger).
 MAX_DIM = 2**31 - 1
@@ -150,7 +158,8 @@ def _top_k_per_row_decode(logits: jax.Array, context_lens: jax.Array, *, next_n:
     return call(logits, context_lens, next_n=np.int64(next_n))
 
 
-def _register(name: str, check, target: str, target_decode: str, slower_here=None) -> None:
+def _register(name: str, check, target: str, target_decode: str, slower_here=None,
+              validated: bool = True) -> None:
     for op, fn, op_target in (("top_k_per_row", _top_k_per_row, target),
                               ("top_k_per_row_decode", _top_k_per_row_decode, target_decode)):
         registry.register_op_kernel(registry.OpKernel(
@@ -162,9 +171,12 @@ def _register(name: str, check, target: str, target_decode: str, slower_here=Non
             available=lambda op_target=op_target: native.has_target(op_target),
             check=check,
             slower_here=slower_here,
+            validated=validated,
         ))
 
 
+# First, so that "native" prefers the forms below it; unvalidated, so that "auto" never runs it.
+_register("sm90_topk_deep", check_problem, TARGET_DEEP, TARGET_DECODE_DEEP, validated=False)
 _register("sm90_topk", check_problem, TARGET, TARGET_DECODE)
 # Registered later, so the cluster form is preferred where it fits ("auto": where it measured faster).
 _register("sm90_topk_cluster", check_cluster_problem, TARGET_CLUSTER, TARGET_DECODE_CLUSTER,

@@ -1,8 +1,8 @@
 """CPU tests of the SM90 indexer logits binding (kernels/sm90_indexer_logits.py): its problem
 checks, its work split, its registration ("auto" and "native" on an SM90 device select the
-mma.sync form; "native" prefers the warpgroup-MMA form where the extension has it, "auto" does not
-until it is validated) and, with the extension built, that all four targets are registered as
-command-buffer compatible. The extension tests skip when it is not importable;
+mma.sync form; both prefer the warpgroup-MMA form where the extension has it; "native" prefers the
+overlapped form where the extension has it, "auto" does not until it is validated) and, with the
+extension built, that all six targets are registered as command-buffer compatible. The extension tests skip when it is not importable;
 JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
 """
 
@@ -20,6 +20,7 @@ from requirements import require_native
 
 TARGETS = {logits.PAGED_TARGET, logits.RAGGED_TARGET}
 WGMMA_TARGETS = {logits.PAGED_WGMMA_TARGET, logits.RAGGED_WGMMA_TARGET}
+OVERLAP_TARGETS = {logits.PAGED_OVERLAP_TARGET, logits.RAGGED_OVERLAP_TARGET}
 PAGED_DTYPES = ("float8_e4m3fn", "uint8", "float32", "int32", "int32")
 RAGGED_DTYPES = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
 
@@ -111,8 +112,9 @@ def test_tiles_per_cta_fills_whole_waves_at_the_decode_points():
                                         ("fp8_mqa_logits", ragged())])
 def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
     kernels = {k.name: k for k in registry.registered_op_kernels(op) if k.native}
-    assert set(kernels) == {"sm90_mqa_logits", "sm90_mqa_logits_wgmma"}
+    assert set(kernels) == {"sm90_mqa_logits", "sm90_mqa_logits_wgmma", "sm90_mqa_logits_overlap"}
     assert kernels["sm90_mqa_logits"].validated and kernels["sm90_mqa_logits_wgmma"].validated
+    assert not kernels["sm90_mqa_logits_overlap"].validated
     assert all(k.capability_majors == (9,) for k in kernels.values())
     assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
     # The faked extension has only the mma.sync targets.
@@ -125,6 +127,15 @@ def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
 def test_native_and_auto_prefer_the_wgmma_form(fake_sm90, monkeypatch, op, problem):
     monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS))
     assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_wgmma"
+    assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits_wgmma"
+
+
+@pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
+                                        ("fp8_mqa_logits", ragged())])
+def test_native_prefers_the_overlapped_form_auto_waits_for_its_validation(fake_sm90, monkeypatch,
+                                                                           op, problem):
+    monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS | OVERLAP_TARGETS))
+    assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_overlap"
     assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits_wgmma"
 
 
@@ -180,6 +191,7 @@ def test_extension_registers_the_logits_targets_as_graph_safe():
     module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")
-    assert TARGETS | WGMMA_TARGETS <= set(module.registrations())
-    assert TARGETS | WGMMA_TARGETS <= set(module.command_buffer_targets())
-    assert all(native.has_target(t) for t in TARGETS | WGMMA_TARGETS)
+    every = TARGETS | WGMMA_TARGETS | OVERLAP_TARGETS
+    assert every <= set(module.registrations())
+    assert every <= set(module.command_buffer_targets())
+    assert all(native.has_target(t) for t in every)

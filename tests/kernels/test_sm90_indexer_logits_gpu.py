@@ -1,5 +1,5 @@
-"""GPU tests of the SM90 indexer logits kernels (ffi/sm90/indexer_logits.cuh, the mma.sync and the
-warpgroup-MMA forms) behind fp8_paged_mqa_logits / fp8_mqa_logits.
+"""GPU tests of the SM90 indexer logits kernels (ffi/sm90/indexer_logits.cuh, the mma.sync, the
+warpgroup-MMA and the overlapped warpgroup-MMA forms) behind fp8_paged_mqa_logits / fp8_mqa_logits.
 
 Each case runs each form (KERNELS, called through its registered binding, since
 implementation="native" picks only the preferred one) and compares the result with the pure-JAX
@@ -43,10 +43,11 @@ PAGE = BLOCK * 132
 
 SKIP_REASON = sm90_skip_reason(
     sm90_indexer_logits.PAGED_TARGET, sm90_indexer_logits.RAGGED_TARGET,
-    sm90_indexer_logits.PAGED_WGMMA_TARGET, sm90_indexer_logits.RAGGED_WGMMA_TARGET)
+    sm90_indexer_logits.PAGED_WGMMA_TARGET, sm90_indexer_logits.RAGGED_WGMMA_TARGET,
+    sm90_indexer_logits.PAGED_OVERLAP_TARGET, sm90_indexer_logits.RAGGED_OVERLAP_TARGET)
 pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 indexer-logits tests")
 
-KERNELS = ("sm90_mqa_logits", "sm90_mqa_logits_wgmma")
+KERNELS = ("sm90_mqa_logits", "sm90_mqa_logits_wgmma", "sm90_mqa_logits_overlap")
 
 
 def kernel_fn(op: str, name: str):
@@ -324,6 +325,18 @@ def test_ragged_matches_references(num_rows, num_keys, heads, kind, kernel):
 @pytest.mark.parametrize("heads", [32, 64])
 def test_ragged_under_jit(heads, kernel):
     check_ragged(41, 700, heads, "random", kernel, seed=4, jit=True)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("tiles", [1, 2, 3, 4, 5, 7])
+def test_every_count_of_tiles_per_cta(tiles, kernel, monkeypatch):
+    """CTAs of 1 to 7 tiles, and chunks cut short by a request's length or the row ranges: the
+    overlapped form runs a CTA's tiles two at a time and peels the last one or two."""
+    monkeypatch.setattr(sm90_indexer_logits, "tiles_per_cta", lambda *_: tiles)
+    check_paged(3, 1, 64, [1000, 448, 1], 1024, kernel, seed=tiles)
+    check_paged(2, 2, 32, [1000, 200], 1024, kernel, seed=tiles)
+    check_ragged(9, 1000, 64, "causal", kernel, seed=tiles)
+    check_ragged(11, 900, 32, "random", kernel, seed=tiles)
 
 
 # --- compute-sanitizer ----------------------------------------------------------------------------

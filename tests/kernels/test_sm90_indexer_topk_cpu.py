@@ -22,6 +22,7 @@ from jax_sparse_mla.kernels.registry import IndexerProblem
 from requirements import require_native
 
 OPS = {"top_k_per_row": topk.TARGET, "top_k_per_row_decode": topk.TARGET_DECODE}
+DEEP_OPS = {"top_k_per_row": topk.TARGET_DEEP, "top_k_per_row_decode": topk.TARGET_DECODE_DEEP}
 
 
 def problem(op="top_k_per_row", **override):
@@ -92,6 +93,18 @@ def test_auto_and_native_select_it_on_sm90(fake_sm90, op):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
+def test_the_deep_form_runs_only_by_name(fake_sm90, monkeypatch, op):
+    """sm90_topk_deep is registered unvalidated and before sm90_topk: with its targets present,
+    neither "auto" nor "native" selects it."""
+    fake_sm90()
+    monkeypatch.setattr(native, "targets", frozenset(OPS.values()) | frozenset(DEEP_OPS.values()))
+    deep = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk_deep"]
+    assert len(deep) == 1 and deep[0].native and not deep[0].validated and deep[0].available()
+    assert registry.select_op_kernel(op, "auto", problem(op)).name == "sm90_topk"
+    assert registry.select_op_kernel(op, "native", problem(op)).name == "sm90_topk"
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
 def test_native_elsewhere_is_a_clear_error(fake_sm90, op):
     fake_sm90((10, 0))
     with pytest.raises(ValueError, match=r"sm90_topk: needs compute capability major \(9,\)"):
@@ -141,9 +154,10 @@ def test_extension_registers_both_targets_as_graph_safe():
     module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")
-    assert set(OPS.values()) <= set(module.registrations())
-    assert set(OPS.values()) <= set(module.command_buffer_targets())
-    assert all(native.has_target(t) for t in OPS.values())
+    targets = set(OPS.values()) | set(DEEP_OPS.values())
+    assert targets <= set(module.registrations())
+    assert targets <= set(module.command_buffer_targets())
+    assert all(native.has_target(t) for t in targets)
     # Registered with JAX for CUDA by kernels/native.py, so the binding is available().
     for op in OPS:
         kernel = next(k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk")

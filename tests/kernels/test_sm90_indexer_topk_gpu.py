@@ -1,5 +1,6 @@
-"""GPU tests of the SM90 indexer top-k kernels (ffi/sm90/indexer_topk.cuh, one CTA per row, and
-ffi/sm90/indexer_topk_cluster.cuh, one cluster per row; behind kernels/sm90_indexer_topk.py).
+"""GPU tests of the SM90 indexer top-k kernels (ffi/sm90/indexer_topk.cuh, one CTA per row, in its
+two builds, and ffi/sm90/indexer_topk_cluster.cuh, one cluster per row; behind
+kernels/sm90_indexer_topk.py).
 
 Every case runs each kernel (KERNELS, called through its registered binding, since
 implementation="native" picks only the preferred one) and compares it with the pure-JAX reference
@@ -36,10 +37,11 @@ from requirements import gpu_test_marks, sm90_skip_reason
 
 SKIP_REASON = sm90_skip_reason(
     sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE, sm90_indexer_topk.TARGET_CLUSTER,
-    sm90_indexer_topk.TARGET_DECODE_CLUSTER)
+    sm90_indexer_topk.TARGET_DECODE_CLUSTER, sm90_indexer_topk.TARGET_DEEP,
+    sm90_indexer_topk.TARGET_DECODE_DEEP)
 pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 top-k tests")
 
-KERNELS = ("sm90_topk", "sm90_topk_cluster")
+KERNELS = ("sm90_topk", "sm90_topk_cluster", "sm90_topk_deep")
 
 
 @functools.cache
