@@ -14,11 +14,11 @@ next_n = 1, H = 64, k = 2048):
           default --backends) and "xla" (pure JAX)
   topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
           (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to), "torch"
-          (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_deep, the one-CTA
+          (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_stream, the one-CTA
           SM90 kernel called by name (`sm90_topk`, which "auto" keeps for rows of at most 8192
           positions; beside "native", the cluster form, it shows where the shape rule comes from;
-          `sm90_topk_deep`, its build for one CTA per SM, which nothing runs until it is
-          validated)
+          `sm90_topk_stream`, its build that streams rows through shared memory, which nothing
+          runs until it is validated)
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
           "xla"
   GB/s counts the bytes the op must move at least: logits the fp8 keys, 132 bytes per cached token
@@ -71,7 +71,7 @@ DECODE_SETS = 4
 PREFILL_SETS = 2
 PREFILL_CALLS = 6
 # Top-k kernels the --backends of these names call by their registered name (decode rows only).
-BY_NAME = {"one_cta": "sm90_topk", "one_cta_deep": "sm90_topk_deep"}
+BY_NAME = {"one_cta": "sm90_topk", "one_cta_stream": "sm90_topk_stream"}
 
 
 def make_decode_inputs(batch, context, seed=0):

@@ -243,7 +243,7 @@ def main() -> None:
         elif step == "indexer":
             status, _, seconds = log.run("indexer", [
                 *python, os.path.join(HERE, "bench_indexer.py"), "--out", out,
-                "--backends", "native", "auto", "xla", "torch", "one_cta", "one_cta_deep",
+                "--backends", "native", "auto", "xla", "torch", "one_cta", "one_cta_stream",
                 "--prefill-keys", "65536"],
                 env=bench_env)
             record(step, status, seconds)

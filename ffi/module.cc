@@ -57,10 +57,10 @@ nb::dict Registrations() {
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowCluster);
   targets["jax_sparse_mla_sm90_top_k_per_row_decode_cluster"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeCluster);
-  targets["jax_sparse_mla_sm90_top_k_per_row_deep"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDeep);
-  targets["jax_sparse_mla_sm90_top_k_per_row_decode_deep"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeDeep);
+  targets["jax_sparse_mla_sm90_top_k_per_row_stream"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowStream);
+  targets["jax_sparse_mla_sm90_top_k_per_row_decode_stream"] =
+      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeStream);
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM100
   targets["jax_sparse_mla_trtllm_gen_decode"] = EncapsulateFfiHandler(JaxSparseMlaTrtllmGenDecode);
@@ -87,10 +87,14 @@ std::vector<std::string> CommandBufferTargets() {
   names.push_back("jax_sparse_mla_sm90_mqa_logits");
   names.push_back("jax_sparse_mla_sm90_paged_mqa_logits_wgmma");
   names.push_back("jax_sparse_mla_sm90_mqa_logits_wgmma");
+  names.push_back("jax_sparse_mla_sm90_paged_mqa_logits_overlap");
+  names.push_back("jax_sparse_mla_sm90_mqa_logits_overlap");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_cluster");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode_cluster");
+  names.push_back("jax_sparse_mla_sm90_top_k_per_row_stream");
+  names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode_stream");
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM120
   names.push_back("jax_sparse_mla_sm120_decode");

@@ -57,14 +57,15 @@ ffi::Error LaunchError(const char* op, cudaError_t status) {
                               cudaGetErrorString(status));
 }
 
-template <int kCtasPerSm>
+template <bool kStream>
 cudaError_t LaunchPerRowKernel(const TopKParams& params, int64_t num_rows, cudaStream_t stream) {
-  constexpr auto kKernel = TopKPerRowKernel<kCtasPerSm>;
-  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<kKernel, kCandidateBytes>();
+  constexpr auto kKernel = TopKPerRowKernel<kStream>;
+  constexpr int kBytes = kKernelSmemBytes<kStream>;
+  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<kKernel, kBytes>();
       status != cudaSuccess) {
     return status;
   }
-  kKernel<<<static_cast<unsigned>(num_rows), kThreads, kCandidateBytes, stream>>>(params);
+  kKernel<<<static_cast<unsigned>(num_rows), kThreads, kBytes, stream>>>(params);
   return cudaGetLastError();
 }
 
@@ -74,23 +75,23 @@ cudaError_t SmCount(int* num_sms) {
   return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
 }
 
-// One CTA per row: two per SM; with kDeep, while the rows fit one wave (at most one CTA per SM
-// whatever the kernel's occupancy), the build for one CTA per SM, whose registers hold twice the
-// loads in flight.
-template <bool kDeep>
+// One CTA per row: two per SM reading rows into registers; with kStream, while the rows fit one
+// wave (at most one CTA per SM whatever the kernel's occupancy), the build for one CTA per SM that
+// streams each warp's slice of the row through shared memory.
+template <bool kStream>
 ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_rows,
                         cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
   bool one_wave = false;
-  if constexpr (kDeep) {
+  if constexpr (kStream) {
     int num_sms = 0;
     if (cudaError_t status = SmCount(&num_sms); status != cudaSuccess) {
       return LaunchError(op, status);
     }
     one_wave = num_rows <= num_sms;
   }
-  const cudaError_t status = one_wave ? LaunchPerRowKernel<1>(params, num_rows, stream)
-                                      : LaunchPerRowKernel<2>(params, num_rows, stream);
+  const cudaError_t status = one_wave ? LaunchPerRowKernel<true>(params, num_rows, stream)
+                                      : LaunchPerRowKernel<false>(params, num_rows, stream);
   return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
 }
 
@@ -208,11 +209,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeCluster,
                               topk::TopKPerRowDecode<topk::LaunchCluster>,
                               JAX_SPARSE_MLA_TOPK_DECODE_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDeep,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowStream,
                               topk::TopKPerRow<topk::LaunchPerRow<true>>,
                               JAX_SPARSE_MLA_TOPK_PER_ROW_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeDeep,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeStream,
                               topk::TopKPerRowDecode<topk::LaunchPerRow<true>>,
                               JAX_SPARSE_MLA_TOPK_DECODE_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -21,6 +21,9 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
+
+#include "sm90/sm90_async.cuh"
 
 namespace jax_sparse_mla::indexer_topk {
 
@@ -248,12 +251,14 @@ constexpr uint32_t kGatherMaxCandidates = kCandidateCapacity / 4 * 3;
 constexpr int64_t kSpeculateMinLen = 98304;
 // Groups sampled per thread (evenly spaced over the row): kThreads * 4 * 4 = 8192 keys.
 constexpr int kSampleGroupsPerThread = 4;
-// Groups a lane loads before it counts or gathers from any (bytes in flight per warp: 32 x 16 x
-// this). With two CTAs per SM (64 registers a thread) 4 fit without spilling; one CTA per SM, which
-// the kernel runs with while the rows fit one wave, has the registers for 8, and needs them: a
-// single CTA streams an SM's whole share of the rows.
-constexpr int kGatherUnrollShared = 4;
-constexpr int kGatherUnrollAlone = 8;
+// Groups a lane loads before it counts or gathers from any (LoadReader: bytes in flight per warp
+// 32 x 16 x this, 64 registers a thread at two CTAs per SM).
+constexpr int kGatherUnroll = 4;
+// StreamReader (the build for one CTA per SM): each warp's two stages of kStreamGroups groups
+// (4 KB each), 128 KB for the CTA.
+constexpr int kStreamStages = 2;
+constexpr int kStreamGroups = 256;
+constexpr int kStreamBytes = kWarps * kStreamStages * kStreamGroups * 16;
 
 struct Shared {
   uint32_t hist[kBins];
@@ -288,16 +293,170 @@ __device__ __forceinline__ uint32_t WarpExclusiveCount(uint32_t count, uint32_t*
   return __popc(b0 & lt) + 2u * __popc(b1 & lt) + 4u * __popc(b2 & lt);
 }
 
+// ---- Reading the row ------------------------------------------------------------------------
+//
+// The counting passes and the gathers read the row through a reader: visit(v, valid, first) sees
+// one group (v[j] at position first + j, valid[j] whether it lies in the row); it may use warp
+// collectives: every lane of a warp makes the same calls.
+//   Slice(row, begin, end, visit, stop): groups [begin, end) by this warp, lane l seeing groups
+//     begin + 32 i + l in order of i (so the warp sees them in position order, 32 at a time);
+//     after each batch or chunk, ends if stop() (warp-uniform) says so.
+//   All(row, visit): every group of the row once, over the CTA, in no particular order.
+
+// Loads into registers: each lane loads kGatherUnroll groups before it visits any. All() strides
+// over the whole CTA (thread t: groups t, t + kThreads, ...).
+struct LoadReader {
+  template <class Visit, class Stop>
+  __device__ __forceinline__ void Slice(const RowView& row, int64_t begin, int64_t end,
+                                        Visit&& visit, Stop&& stop) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll 1
+    for (int64_t base = begin; base < end; base += 32 * kGatherUnroll) {
+      float v[kGatherUnroll][kVec];
+      bool valid[kGatherUnroll][kVec];
+      int64_t first[kGatherUnroll];
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) {
+        const int64_t g = base + u * 32 + lane;
+        first[u] = 0;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) valid[u][j] = false;
+        if (g < end) LoadGroup(row, g, v[u], valid[u], first[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) visit(v[u], valid[u], first[u]);
+      if (stop()) break;
+    }
+  }
+
+  template <class Visit>
+  __device__ __forceinline__ void All(const RowView& row, Visit&& visit) {
+#pragma unroll 1
+    for (int64_t base = threadIdx.x; base < row.groups; base += kThreads * kGatherUnroll) {
+      float v[kGatherUnroll][kVec];
+      bool valid[kGatherUnroll][kVec];
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) {
+        const int64_t g = base + u * kThreads;
+        int64_t first;
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) valid[u][j] = false;
+        if (g < row.groups) LoadGroup(row, g, v[u], valid[u], first);
+      }
+#pragma unroll
+      for (int u = 0; u < kGatherUnroll; ++u) {
+        visit(v[u], valid[u], (base + u * kThreads) * kVec - row.lead);
+      }
+    }
+  }
+};
+
+// Streams through shared memory (the build for one CTA per SM): each warp reads its slice in chunks
+// of kStreamGroups groups, which lane 0 has the copy engine bring into the warp's two stages
+// (cp.async.bulk completing on the stage's mbarrier), the next chunk in flight while the warp
+// visits one. The copies bring only the row's whole groups: a partial first or last group (a row
+// start or end inside a 16-byte word) is loaded by its lane, so no copy reads outside the row's
+// 16-byte words. All() is each warp's slice of the whole row.
+struct StreamReader {
+  float4* stages;   // this warp's [kStreamStages][kStreamGroups]
+  uint64_t* full;   // this warp's kStreamStages mbarriers (one arrival: lane 0's)
+  uint32_t phases;  // bit s: the parity in which stage s completes next (the same in every lane)
+
+  template <class Visit, class Stop>
+  __device__ __forceinline__ void Slice(const RowView& row, int64_t begin, int64_t end,
+                                        Visit&& visit, Stop&& stop) {
+    const int lane = threadIdx.x & 31;
+    const int64_t chunks = end > begin ? (end - begin + kStreamGroups - 1) / kStreamGroups : 0;
+    // Group g is whole when 4 g - lead >= 0 and 4 g - lead + 4 <= len.
+    const int64_t whole_begin = row.lead == 0 ? 0 : 1;
+    const int64_t whole_end = (row.len + row.lead) / kVec;
+    const float* aligned = row.data - row.lead;  // group g at aligned + 4 g, 16-byte aligned
+    auto issue = [&](int64_t chunk) {  // lane 0
+      const int stage = static_cast<int>(chunk % kStreamStages);
+      const int64_t c0 = begin + chunk * kStreamGroups;
+      const int64_t c1 = min(c0 + kStreamGroups, end);
+      const int64_t w0 = max(c0, whole_begin), w1 = min(c1, whole_end);
+      const uint32_t bytes = w1 > w0 ? static_cast<uint32_t>(w1 - w0) * 16u : 0u;
+      // With no whole group, the arrival alone completes the phase.
+      sm90::ArriveExpectBytes(&full[stage], bytes);
+      if (bytes > 0u) {
+        sm90::CopyBulk(stages + stage * kStreamGroups + (w0 - c0), aligned + w0 * kVec, bytes,
+                       &full[stage]);
+      }
+    };
+    int64_t issued = min(static_cast<int64_t>(kStreamStages), chunks);
+    if (lane == 0 && issued > 0) {
+      sm90::FenceProxyAsync();  // the lanes' reads of the stages in an earlier walk (synchronised
+                                // since) before the copies' writes
+      for (int64_t c = 0; c < issued; ++c) issue(c);
+    }
+    int64_t consumed = 0;
+    bool go = true;
+    auto wait = [&](int64_t chunk) {
+      const int stage = static_cast<int>(chunk % kStreamStages);
+      sm90::WaitBarrier(&full[stage], (phases >> stage) & 1u);
+      phases ^= 1u << stage;
+    };
+#pragma unroll 1
+    while (go && consumed < chunks) {
+      wait(consumed);
+      const int64_t c0 = begin + consumed * kStreamGroups;
+      const float4* chunk = stages + (consumed % kStreamStages) * kStreamGroups;
+#pragma unroll 2
+      for (int i = 0; i < kStreamGroups / 32; ++i) {
+        const int local = i * 32 + lane;
+        const int64_t g = c0 + local;
+        float v[kVec];
+        bool valid[kVec];
+        int64_t first = g * kVec - row.lead;
+        if (g < end && g >= whole_begin && g < whole_end) {
+          const float4 x = chunk[local];
+          v[0] = x.x, v[1] = x.y, v[2] = x.z, v[3] = x.w;
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) valid[j] = true;
+        } else if (g < end) {
+          LoadGroup(row, g, v, valid, first);
+        } else {
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) v[j] = 0.0f, valid[j] = false;
+        }
+        visit(v, valid, first);
+      }
+      go = !stop();
+      ++consumed;
+      __syncwarp();  // every lane is done with the stage before it is refilled
+      if (go && issued < chunks) {
+        if (lane == 0) {
+          sm90::FenceProxyAsync();  // the lanes' reads before the copy's writes
+          issue(issued);
+        }
+        ++issued;
+      }
+    }
+    // Chunks in flight after an early stop: waited for, so that no copy lands in a stage after the
+    // walk and the phases stay in step for the next one.
+    while (consumed < issued) wait(consumed++);
+  }
+
+  template <class Visit>
+  __device__ __forceinline__ void All(const RowView& row, Visit&& visit) {
+    const int warp = threadIdx.x >> 5;
+    const int64_t groups_per_warp = (row.groups + kWarps - 1) / kWarps;
+    const int64_t begin = min(row.groups, warp * groups_per_warp);
+    Slice(row, begin, min(row.groups, begin + groups_per_warp), visit, [] { return false; });
+  }
+};
+
 // Gathers every key of the row at or above min_key into the warps' lists (see kCandidatesPerWarp);
 // after a pass, min_key = the prefix chosen so far keeps exactly the keys with (key & mask) >=
 // prefix. With kCountFirstDigit, it also counts every key of the row into hist by its first digit
 // (the first radix pass, made in the same read), and goes on counting after a list is full.
 // Returns, in every thread, whether every list held its keys. Every thread must call it (it
 // synchronises the CTA).
-template <int kGatherUnroll, bool kCountFirstDigit = false>
-__device__ __forceinline__ bool GatherCandidates(const RowView& row, uint32_t min_key,
-                                                 const Candidates& candidates, Shared* smem,
-                                                 uint32_t* hist = nullptr) {
+template <bool kCountFirstDigit = false, class Reader>
+__device__ __forceinline__ bool GatherCandidates(Reader& reader, const RowView& row,
+                                                 uint32_t min_key, const Candidates& candidates,
+                                                 Shared* smem, uint32_t* hist = nullptr) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int64_t groups_per_warp = (row.groups + kWarps - 1) / kWarps;
@@ -307,50 +466,37 @@ __device__ __forceinline__ bool GatherCandidates(const RowView& row, uint32_t mi
   int32_t* positions = candidates.positions + warp * kCandidatesPerWarp;
   uint32_t count = 0u;
   bool overflow = false;
-#pragma unroll 1
-  for (int64_t base = slice_begin; base < slice_end; base += 32 * kGatherUnroll) {
-    float v[kGatherUnroll][kVec];
-    bool valid[kGatherUnroll][kVec];
-    int64_t first[kGatherUnroll];
+  auto visit = [&](const float (&v)[kVec], const bool (&valid)[kVec], int64_t first) {
+    uint32_t key[kVec];
+    bool keep[kVec];
+    uint32_t kept = 0u;
 #pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u) {
-      const int64_t g = base + u * 32 + lane;
-      first[u] = 0;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) valid[u][j] = false;
-      if (g < slice_end) LoadGroup(row, g, v[u], valid[u], first[u]);
+    for (int j = 0; j < kVec; ++j) {
+      key[j] = OrderKey(v[j]);
+      keep[j] = valid[j] && key[j] >= min_key;
+      kept += keep[j];
+      if constexpr (kCountFirstDigit) {
+        if (valid[j]) atomicAdd(&hist[key[j] >> PassShift(0)], 1u);
+      }
     }
-#pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u) {
-      uint32_t key[kVec];
-      bool keep[kVec];
-      uint32_t kept = 0u;
+    uint32_t total;
+    uint32_t slot = count + WarpExclusiveCount(kept, &total);
+    if (count + total > kCandidatesPerWarp) overflow = true;
+    if (!overflow) {
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
-        key[j] = OrderKey(v[u][j]);
-        keep[j] = valid[u][j] && key[j] >= min_key;
-        kept += keep[j];
-        if constexpr (kCountFirstDigit) {
-          if (valid[u][j]) atomicAdd(&hist[key[j] >> PassShift(0)], 1u);
+        if (keep[j]) {
+          keys[slot] = key[j];
+          positions[slot] = static_cast<int32_t>(first + j);
+          ++slot;
         }
       }
-      uint32_t total;
-      uint32_t slot = count + WarpExclusiveCount(kept, &total);
-      if (count + total > kCandidatesPerWarp) overflow = true;
-      if (!overflow) {
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          if (keep[j]) {
-            keys[slot] = key[j];
-            positions[slot] = static_cast<int32_t>(first[u] + j);
-            ++slot;
-          }
-        }
-      }
-      count += total;
     }
-    if (overflow && !kCountFirstDigit) break;  // warp-uniform
-  }
+    count += total;
+  };
+  // A full list ends the gather (the row is read again), unless it also counts the first pass.
+  reader.Slice(row, slice_begin, slice_end, visit,
+               [&] { return overflow && !kCountFirstDigit; });  // warp-uniform
   if (lane == 0) smem->candidate_counts[warp] = count;
   return __syncthreads_or(overflow) == 0;
 }
@@ -506,36 +652,21 @@ __device__ __forceinline__ uint32_t EstimateGatherKey(const RowView& row, int k,
 
 // The radix passes' count over the row (the first pass's, and the later passes' until the
 // candidates are gathered): into hist (zeroed by the caller), the keys matching the prefix by their
-// digit of `pass`. Each thread loads kGatherUnroll groups before it counts any, so that a long row's
-// loads are in flight together.
-template <int kGatherUnroll>
-__device__ __forceinline__ void CountRow(const RowView& row, const RadixState& state, int pass,
-                                         uint32_t* hist) {
+// digit of `pass`.
+template <class Reader>
+__device__ __forceinline__ void CountRow(Reader& reader, const RowView& row,
+                                         const RadixState& state, int pass, uint32_t* hist) {
   const int shift = PassShift(pass);
   const uint32_t digit_mask = PassDigitMask(pass);
-#pragma unroll 1
-  for (int64_t base = threadIdx.x; base < row.groups; base += kThreads * kGatherUnroll) {
-    float v[kGatherUnroll][kVec];
-    bool valid[kGatherUnroll][kVec];
+  reader.All(row, [&](const float (&v)[kVec], const bool (&valid)[kVec], int64_t) {
 #pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u) {
-      const int64_t g = base + u * kThreads;
-      int64_t first;
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) valid[u][j] = false;
-      if (g < row.groups) LoadGroup(row, g, v[u], valid[u], first);
-    }
-#pragma unroll
-    for (int u = 0; u < kGatherUnroll; ++u) {
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) {
-        const uint32_t key = OrderKey(v[u][j]);
-        if (valid[u][j] && (key & state.mask) == state.prefix) {
-          atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
-        }
+    for (int j = 0; j < kVec; ++j) {
+      const uint32_t key = OrderKey(v[j]);
+      if (valid[j] && (key & state.mask) == state.prefix) {
+        atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
       }
     }
-  }
+  });
 }
 
 // One radix pass: zeroes the histogram, counts with count(hist), and chooses the threshold bin
@@ -555,11 +686,18 @@ __device__ __forceinline__ bool RadixPass(int pass, RadixState* state, Shared* s
   return ChooseThresholdBin(counts, pass, state, smem->warp_sums, &smem->chosen);
 }
 
-// One CTA per row (blockIdx.x), with kCandidateBytes of dynamic shared memory; kCtasPerSm CTAs
-// resident per SM (2 where the rows take more than one wave, else 1, with deeper loads).
-template <int kCtasPerSm>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm) TopKPerRowKernel(const TopKParams params) {
-  constexpr int kGatherUnroll = kCtasPerSm == 1 ? kGatherUnrollAlone : kGatherUnrollShared;
+// Dynamic shared memory of the two builds: the candidate lists, then (kStream) the warps' stream
+// stages and their mbarriers.
+template <bool kStream>
+inline constexpr int kKernelSmemBytes =
+    kCandidateBytes + (kStream ? kStreamBytes + kWarps * kStreamStages * 8 : 0);
+
+// One CTA per row (blockIdx.x), with kKernelSmemBytes<kStream> of dynamic shared memory. Two
+// builds: two CTAs per SM reading the row into registers (LoadReader), or, with kStream, one CTA
+// per SM (for rows that fit one wave) streaming it through shared memory (StreamReader).
+template <bool kStream>
+__global__ void __launch_bounds__(kThreads, kStream ? 1 : 2)
+    TopKPerRowKernel(const TopKParams params) {
   extern __shared__ uint4 candidate_smem[];
   __shared__ Shared smem;
   const int64_t r = blockIdx.x;
@@ -576,6 +714,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) TopKPerRowKernel(const T
 
   const RowView row =
       MakeRowView(params.logits + r * static_cast<int64_t>(params.width) + start, len);
+  std::conditional_t<kStream, StreamReader, LoadReader> reader;
+  if constexpr (kStream) {
+    uint8_t* stream_smem = reinterpret_cast<uint8_t*>(candidate_smem) + kCandidateBytes;
+    uint64_t* barriers = reinterpret_cast<uint64_t*>(stream_smem + kStreamBytes);
+    const int warp = threadIdx.x >> 5;
+    reader.stages = reinterpret_cast<float4*>(stream_smem) + warp * kStreamStages * kStreamGroups;
+    reader.full = barriers + warp * kStreamStages;
+    reader.phases = 0u;
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kWarps * kStreamStages; ++i) sm90::InitBarrier(&barriers[i], 1);
+      sm90::FenceBarrierInit();
+    }
+    __syncthreads();  // the barriers are initialised
+  }
 
   // Radix passes over the row until the keys that can still be kept (those above the threshold
   // bin and in it) are few enough to gather, then the rest over the gathered candidates.
@@ -591,13 +743,13 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) TopKPerRowKernel(const T
   auto gather_if_few = [&]() {
     const uint32_t num_candidates = static_cast<uint32_t>(k) - state.remaining + smem.chosen.count;
     return num_candidates <= kGatherMaxCandidates &&
-           GatherCandidates<kGatherUnroll>(row, state.prefix, candidates, &smem);
+           GatherCandidates(reader, row, state.prefix, candidates, &smem);
   };
   if (len >= kSpeculateMinLen) {  // block-uniform branch
     const uint32_t min_key = EstimateGatherKey(row, k, &smem);
     bool held = false;
     decided = RadixPass(0, &state, &smem, [&](uint32_t* hist) {
-      held = GatherCandidates<kGatherUnroll, true>(row, min_key, candidates, &smem, hist);
+      held = GatherCandidates<true>(reader, row, min_key, candidates, &smem, hist);
     });
     pass = 1;
     // The lists hold every key >= min_key; the keys that can still be kept are those >= prefix.
@@ -606,7 +758,7 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm) TopKPerRowKernel(const T
 #pragma unroll 1
   while (!gathered && pass < kNumPasses && !decided) {
     decided = RadixPass(pass, &state, &smem,
-                        [&](uint32_t* hist) { CountRow<kGatherUnroll>(row, state, pass, hist); });
+                        [&](uint32_t* hist) { CountRow(reader, row, state, pass, hist); });
     ++pass;
     gathered = gather_if_few();
   }

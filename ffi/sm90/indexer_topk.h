@@ -11,7 +11,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecode);
 // The same two ops with one thread-block cluster per row (rows of up to 327677 positions).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowCluster);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeCluster);
-// The same two ops on the one-CTA kernel built for one CTA per SM (deeper loads) while the rows
-// fit one wave.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDeep);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeDeep);
+// The same two ops on the one-CTA kernel's streaming build (one CTA per SM, the row streamed
+// through shared memory by the copy engine) while the rows fit one wave.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeStream);

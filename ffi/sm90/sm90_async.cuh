@@ -42,6 +42,12 @@ __device__ __forceinline__ void WaitBarrier(uint64_t* barrier, uint32_t phase) {
       : "memory");
 }
 
+// Orders this thread's shared-memory accesses (generic proxy) before the async proxy's: threads'
+// stores before wgmma reads them, threads' reads before a bulk copy overwrites the buffer.
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // One bulk copy (the copy engine, not the threads, moves the bytes) of `bytes` (a multiple of 16,
 // both addresses 16-byte aligned) that completes on `barrier`.
 __device__ __forceinline__ void CopyBulk(void* dst, const void* src, uint32_t bytes,

@@ -1,6 +1,7 @@
 // Helpers for warpgroup MMAs (wgmma) on SM90 with operands in shared memory: the operand
-// descriptor and the proxy fence between threads' stores and wgmma's reads. Shared by the fp8
-// decode kernel (sm90_fp8_wide_kernel.cuh) and the indexer logits (indexer_logits.cuh).
+// descriptor (the proxy fence between threads' stores and wgmma's reads is sm90_async.cuh's
+// FenceProxyAsync). Shared by the fp8 decode kernel (sm90_fp8_wide_kernel.cuh) and the indexer
+// logits (indexer_logits.cuh).
 #pragma once
 
 #include <cute/arch/mma_sm90_desc.hpp>
@@ -9,11 +10,6 @@
 #include "sm90/sm90_async.cuh"
 
 namespace jax_sparse_mla::sm90 {
-
-// Threads' shared-memory stores, before wgmma (the async proxy) reads them.
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 // Descriptor of an unswizzled wgmma operand at `start`: core matrices 16 bytes wide, 8 rows of 16
 // bytes each; `leading` and `stride` are the byte offsets of the next core matrix along the two

@@ -27,11 +27,12 @@ it measured faster (`cluster_slower_here`): rows wider than ONE_CTA_MAX_WIDTH po
 clusters fit one wave (few rows: decode at small batch); the one-CTA kernel everywhere else
 (short rows, large batches, prefill). The numbers are in docs/kernels/sm90-indexer.md.
 
-The deep one-CTA form (kernel name "sm90_topk_deep"): the same kernel, built for one CTA per SM (128
-registers a thread, 8 groups of 4 keys loaded per lane before any is counted or gathered instead of
-4), launched that way while the rows fit one wave, where no SM holds two CTAs anyway; the one-CTA
-build otherwise. Registered first and with validated=False until it has passed its GPU tests:
-neither "auto" nor "native" runs it; by name only (the GPU tests, bench_indexer.py's one_cta_deep).
+The streaming one-CTA form (kernel name "sm90_topk_stream"): while the rows fit one wave (no SM
+holds two CTAs anyway), the same kernel built for one CTA per SM, each warp streaming its slice of
+the row through two 4 KB stages of shared memory filled by the copy engine (cp.async.bulk) instead
+of loading it into registers; the one-CTA build for more rows. Registered first and with
+validated=False until it has passed its GPU tests: neither "auto" nor "native" runs it; by name
+only (the GPU tests, bench_indexer.py's one_cta_stream).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ TARGET = "jax_sparse_mla_sm90_top_k_per_row"
 TARGET_DECODE = "jax_sparse_mla_sm90_top_k_per_row_decode"
 TARGET_CLUSTER = "jax_sparse_mla_sm90_top_k_per_row_cluster"
 TARGET_DECODE_CLUSTER = "jax_sparse_mla_sm90_top_k_per_row_decode_cluster"
-TARGET_DEEP = "jax_sparse_mla_sm90_top_k_per_row_deep"
-TARGET_DECODE_DEEP = "jax_sparse_mla_sm90_top_k_per_row_decode_deep"
+TARGET_STREAM = "jax_sparse_mla_sm90_top_k_per_row_stream"
+TARGET_DECODE_STREAM = "jax_sparse_mla_sm90_top_k_per_row_decode_stream"
 # The kernel indexes rows with the grid's x dimension and holds positions, the width S and k as
 # int32 (the handler rejects anything larger).
 MAX_DIM = 2**31 - 1
@@ -176,7 +177,8 @@ def _register(name: str, check, target: str, target_decode: str, slower_here=Non
 
 
 # First, so that "native" prefers the forms below it; unvalidated, so that "auto" never runs it.
-_register("sm90_topk_deep", check_problem, TARGET_DEEP, TARGET_DECODE_DEEP, validated=False)
+_register("sm90_topk_stream", check_problem, TARGET_STREAM, TARGET_DECODE_STREAM,
+          validated=False)
 _register("sm90_topk", check_problem, TARGET, TARGET_DECODE)
 # Registered later, so the cluster form is preferred where it fits ("auto": where it measured faster).
 _register("sm90_topk_cluster", check_cluster_problem, TARGET_CLUSTER, TARGET_DECODE_CLUSTER,

@@ -22,7 +22,8 @@ from jax_sparse_mla.kernels.registry import IndexerProblem
 from requirements import require_native
 
 OPS = {"top_k_per_row": topk.TARGET, "top_k_per_row_decode": topk.TARGET_DECODE}
-DEEP_OPS = {"top_k_per_row": topk.TARGET_DEEP, "top_k_per_row_decode": topk.TARGET_DECODE_DEEP}
+STREAM_OPS = {"top_k_per_row": topk.TARGET_STREAM,
+              "top_k_per_row_decode": topk.TARGET_DECODE_STREAM}
 
 
 def problem(op="top_k_per_row", **override):
@@ -93,13 +94,14 @@ def test_auto_and_native_select_it_on_sm90(fake_sm90, op):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_the_deep_form_runs_only_by_name(fake_sm90, monkeypatch, op):
-    """sm90_topk_deep is registered unvalidated and before sm90_topk: with its targets present,
+def test_the_streaming_form_runs_only_by_name(fake_sm90, monkeypatch, op):
+    """sm90_topk_stream is registered unvalidated and before sm90_topk: with its targets present,
     neither "auto" nor "native" selects it."""
     fake_sm90()
-    monkeypatch.setattr(native, "targets", frozenset(OPS.values()) | frozenset(DEEP_OPS.values()))
-    deep = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk_deep"]
-    assert len(deep) == 1 and deep[0].native and not deep[0].validated and deep[0].available()
+    monkeypatch.setattr(native, "targets", frozenset(OPS.values()) | frozenset(STREAM_OPS.values()))
+    stream = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk_stream"]
+    assert len(stream) == 1 and stream[0].native and not stream[0].validated
+    assert stream[0].available()
     assert registry.select_op_kernel(op, "auto", problem(op)).name == "sm90_topk"
     assert registry.select_op_kernel(op, "native", problem(op)).name == "sm90_topk"
 
@@ -154,7 +156,7 @@ def test_extension_registers_both_targets_as_graph_safe():
     module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")
-    targets = set(OPS.values()) | set(DEEP_OPS.values())
+    targets = set(OPS.values()) | set(STREAM_OPS.values())
     assert targets <= set(module.registrations())
     assert targets <= set(module.command_buffer_targets())
     assert all(native.has_target(t) for t in targets)

@@ -37,11 +37,11 @@ from requirements import gpu_test_marks, sm90_skip_reason
 
 SKIP_REASON = sm90_skip_reason(
     sm90_indexer_topk.TARGET, sm90_indexer_topk.TARGET_DECODE, sm90_indexer_topk.TARGET_CLUSTER,
-    sm90_indexer_topk.TARGET_DECODE_CLUSTER, sm90_indexer_topk.TARGET_DEEP,
-    sm90_indexer_topk.TARGET_DECODE_DEEP)
+    sm90_indexer_topk.TARGET_DECODE_CLUSTER, sm90_indexer_topk.TARGET_STREAM,
+    sm90_indexer_topk.TARGET_DECODE_STREAM)
 pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 top-k tests")
 
-KERNELS = ("sm90_topk", "sm90_topk_cluster", "sm90_topk_deep")
+KERNELS = ("sm90_topk", "sm90_topk_cluster", "sm90_topk_stream")
 
 
 @functools.cache
