@@ -75,23 +75,14 @@ cudaError_t SmCount(int* num_sms) {
   return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
 }
 
-// One CTA per row: two per SM reading rows into registers; with kStream, while the rows fit one
-// wave (at most one CTA per SM whatever the kernel's occupancy), the build for one CTA per SM that
-// streams each warp's slice of the row through shared memory.
+// One CTA per row: the register build (two CTAs per SM) or, with kStream, the streaming build (one
+// CTA per SM, the row streamed through shared memory) at every row count, so that the two can be
+// compared at every shape.
 template <bool kStream>
 ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_rows,
                         cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
-  bool one_wave = false;
-  if constexpr (kStream) {
-    int num_sms = 0;
-    if (cudaError_t status = SmCount(&num_sms); status != cudaSuccess) {
-      return LaunchError(op, status);
-    }
-    one_wave = num_rows <= num_sms;
-  }
-  const cudaError_t status = one_wave ? LaunchPerRowKernel<true>(params, num_rows, stream)
-                                      : LaunchPerRowKernel<false>(params, num_rows, stream);
+  const cudaError_t status = LaunchPerRowKernel<kStream>(params, num_rows, stream);
   return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
 }
 

@@ -694,7 +694,7 @@ inline constexpr int kKernelSmemBytes =
 
 // One CTA per row (blockIdx.x), with kKernelSmemBytes<kStream> of dynamic shared memory. Two
 // builds: two CTAs per SM reading the row into registers (LoadReader), or, with kStream, one CTA
-// per SM (for rows that fit one wave) streaming it through shared memory (StreamReader).
+// per SM streaming it through shared memory (StreamReader).
 template <bool kStream>
 __global__ void __launch_bounds__(kThreads, kStream ? 1 : 2)
     TopKPerRowKernel(const TopKParams params) {

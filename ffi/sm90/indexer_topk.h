@@ -12,6 +12,6 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecode);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowCluster);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeCluster);
 // The same two ops on the one-CTA kernel's streaming build (one CTA per SM, the row streamed
-// through shared memory by the copy engine) while the rows fit one wave.
+// through shared memory by the copy engine).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowStream);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeStream);

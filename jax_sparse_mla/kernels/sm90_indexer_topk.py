@@ -27,12 +27,12 @@ it measured faster (`cluster_slower_here`): rows wider than ONE_CTA_MAX_WIDTH po
 clusters fit one wave (few rows: decode at small batch); the one-CTA kernel everywhere else
 (short rows, large batches, prefill). The numbers are in docs/kernels/sm90-indexer.md.
 
-The streaming one-CTA form (kernel name "sm90_topk_stream"): while the rows fit one wave (no SM
-holds two CTAs anyway), the same kernel built for one CTA per SM, each warp streaming its slice of
-the row through two 4 KB stages of shared memory filled by the copy engine (cp.async.bulk) instead
-of loading it into registers; the one-CTA build for more rows. Registered first and with
-validated=False until it has passed its GPU tests: neither "auto" nor "native" runs it; by name
-only (the GPU tests, bench_indexer.py's one_cta_stream).
+The streaming one-CTA form (kernel name "sm90_topk_stream"): the same kernel built for one CTA per
+SM, each warp streaming its slice of the row through two 4 KB stages of shared memory filled by the
+copy engine (cp.async.bulk) instead of loading it into registers, at every row count so that it can
+be compared with the register build everywhere. Registered first and with validated=False until it
+has passed its GPU tests: neither "auto" nor "native" runs it; by name only (the GPU tests,
+bench_indexer.py's one_cta_stream).
 """
 
 from __future__ import annotations
