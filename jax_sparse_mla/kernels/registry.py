@@ -168,7 +168,8 @@ def _build_reason(available: Callable[[], bool], check: Callable | None, problem
 
 _Kernel = TypeVar("_Kernel")
 # Why "auto" passes over a kernel registered with validated=False.
-UNVALIDATED = "not validated on its GPU (implementation='native' may run it where it fits)"
+UNVALIDATED = ("not validated on its GPU (implementation='native' runs it where it fits and no kernel "
+               "registered after it does)")
 
 
 def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_Kernel], str | None],
