@@ -10,14 +10,21 @@
 //  * len > k: each value becomes an order-preserving uint32 key (OrderKey). Three histogram passes
 //    of 11, 11 and 10 bits, each over the keys whose higher digits match the digits chosen so far,
 //    find the k-th largest key T digit by digit (the bin where the count of larger keys crosses
-//    the number still wanted). There is no candidate buffer: every pass rereads the row, so no
-//    amount of ties can truncate anything. With needed = k - #(key > T), the compaction pass then
-//    walks the row in position order, chunk by chunk, and keeps every key > T and the first
-//    `needed` keys == T; a block-wide prefix sum of (kept above, seen ties) per thread gives each
-//    kept position its output slot, so the output is ascending with no sort and deterministic.
-//    When a pass's threshold bin holds exactly the keys still wanted, the digits chosen so far
-//    already separate the kept keys from the rest and the remaining passes are skipped (the
-//    comparison then uses the matched high bits only, which selects the same set).
+//    the number still wanted). Once a pass leaves few enough keys that can still be kept, they are
+//    gathered in position order into shared-memory lists (GatherCandidates), and the remaining
+//    passes and the compaction read only those (CountCandidates, CompactCandidates); long rows
+//    gather speculatively during the first pass, from a sampled estimate (EstimateGatherKey). Where
+//    the lists cannot hold them (heavy ties), every pass rereads the row, so no amount of ties can
+//    truncate anything. With needed = k - #(key > T), the compaction keeps every key > T and the
+//    first `needed` keys == T in position order; a block-wide prefix sum of (kept above, seen ties)
+//    gives each kept position its output slot, so the output is ascending with no sort and
+//    deterministic. When a pass's threshold bin holds exactly the keys still wanted, the digits
+//    chosen so far already separate the kept keys from the rest and the remaining passes are
+//    skipped (the comparison then uses the matched high bits only, which selects the same set).
+//
+// Two builds (TopKPerRowKernel<kStream>): two CTAs per SM reading the row into registers
+// (LoadReader), or one CTA per SM streaming it through shared memory with bulk copies
+// (StreamReader).
 #pragma once
 
 #include <cstdint>
