@@ -200,12 +200,17 @@ ffi::Error MqaLogits(cudaStream_t stream,
   params.num_keys = static_cast<int>(num_keys);
   params.tiles_per_cta = static_cast<int>(tiles_per_cta);
 
-  // 128 query columns per CTA (two groups of 4 warps): 2 rows of 64 heads or 4 rows of 32.
+  // kRaggedColumns<kForm> query columns per CTA, groups of 64 on 4 warps each: 128 (2 rows of 64
+  // heads or 4 of 32) or, in the overlapped form, 256 (4 rows of 64 or 8 of 32), each key tile then
+  // serving twice the rows for the same bytes brought from L2.
+  constexpr int kRows64 = kRaggedColumns<kForm> / 64, kRows32 = kRaggedColumns<kForm> / 32;
   cudaError_t status;
   if (num_heads == 64) {
-    status = LaunchRagged<64, 2, kForm>(params, (num_rows + 1) / 2, num_chunks, stream);
+    status = LaunchRagged<64, kRows64, kForm>(params, (num_rows + kRows64 - 1) / kRows64,
+                                              num_chunks, stream);
   } else {
-    status = LaunchRagged<32, 4, kForm>(params, (num_rows + 3) / 4, num_chunks, stream);
+    status = LaunchRagged<32, kRows32, kForm>(params, (num_rows + kRows32 - 1) / kRows32,
+                                              num_chunks, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();

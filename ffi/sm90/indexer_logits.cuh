@@ -508,13 +508,13 @@ __device__ __forceinline__ void RunTiles(const Query<L, UsesWgmma(kForm)>& query
   }
 }
 
-// CTAs resident per SM the kernels are compiled for: 3 of 128 threads (168 registers each); of 256,
-// 2 for the overlapped form (128 registers, where its two accumulator sets would otherwise take
-// 143 and leave one CTA per SM), 1 for the others (the warpgroup-MMA form needs under 128 anyway;
-// mma.sync's query fragments alone take 128).
+// CTAs resident per SM the kernels are compiled for: 3 of 128 threads (168 registers each); for the
+// overlapped form, as many as 128 registers a thread allow (2 of 256 threads, 1 of 512: its two
+// accumulator sets would otherwise take 143 and leave fewer); 1 for the other forms' 256 threads
+// (the warpgroup-MMA form needs under 128 anyway; mma.sync's query fragments alone take 128).
 template <class L, Form kForm>
 inline constexpr int kMinCtasPerSm =
-    L::kThreads == 128 ? 3 : (kForm == Form::kWgmmaOverlap ? 2 : 1);
+    L::kThreads == 128 ? 3 : (kForm == Form::kWgmmaOverlap ? 65536 / (L::kThreads * 128) : 1);
 
 template <class L, Form kForm>
 __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
@@ -589,6 +589,11 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
 }
 
 // ---- prefill: ragged logits ---------------------------------------------------------------------
+
+// Query columns (row, head) per CTA of the ragged kernel: 256 in the overlapped form (its binding,
+// kernels/sm90_indexer_logits.py, sizes the grid by the same numbers).
+template <Form kForm>
+inline constexpr int kRaggedColumns = kForm == Form::kWgmmaOverlap ? 256 : 128;
 
 template <class L, Form kForm>
 __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))

@@ -28,7 +28,8 @@ it where it fits.
 
 The overlapped form (kernel name "sm90_mqa_logits_overlap", the kernels compiled with
 Form::kWgmmaOverlap): the same MMAs, with each warpgroup issuing tile i + 1's before it runs tile i's
-epilogue, so that the tensor cores work while it applies relu, the head weights and the sums.
+epilogue, so that the tensor cores work while it applies relu, the head weights and the sums; its
+ragged CTAs take 4 rows of 64 heads (8 of 32), each key tile serving twice the rows.
 Registered with validated=False until it has passed its GPU tests: "native" prefers it, "auto" does
 not run it.
 """
@@ -49,6 +50,8 @@ PAGED_WGMMA_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits_wgmma"
 RAGGED_WGMMA_TARGET = "jax_sparse_mla_sm90_mqa_logits_wgmma"
 PAGED_OVERLAP_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits_overlap"
 RAGGED_OVERLAP_TARGET = "jax_sparse_mla_sm90_mqa_logits_overlap"
+# Query columns (row, head) per CTA of each ragged kernel (kRaggedColumns in indexer_logits.cuh).
+RAGGED_COLUMNS = {RAGGED_TARGET: 128, RAGGED_WGMMA_TARGET: 128, RAGGED_OVERLAP_TARGET: 256}
 # Must match ffi/sm90/indexer_logits.cuh / .cu.
 TILE_KEYS = 64
 MAX_TILES_PER_CTA = 16
@@ -117,7 +120,7 @@ def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends, *, target=R
     num_keys = k_fp8.shape[0]
     if num_rows == 0 or num_keys == 0:
         return jnp.full((num_rows, num_keys), -jnp.inf, jnp.float32)
-    rows_per_cta = 128 // num_heads  # 128 query columns per CTA
+    rows_per_cta = RAGGED_COLUMNS[target] // num_heads
     num_tiles = -(-num_keys // TILE_KEYS)
     tiles = tiles_per_cta(-(-num_rows // rows_per_cta), num_tiles, _sm_count())
     tiles = max(tiles, -(-num_tiles // MAX_GRID_Y))  # at most 65535 key chunks (grid y)

@@ -195,3 +195,25 @@ def test_extension_registers_the_logits_targets_as_graph_safe():
     assert every <= set(module.registrations())
     assert every <= set(module.command_buffer_targets())
     assert all(native.has_target(t) for t in every)
+
+
+@pytest.mark.parametrize("target,heads,rows_per_cta", [
+    (logits.RAGGED_WGMMA_TARGET, 64, 2), (logits.RAGGED_WGMMA_TARGET, 32, 4),
+    (logits.RAGGED_OVERLAP_TARGET, 64, 4), (logits.RAGGED_OVERLAP_TARGET, 32, 8),
+])
+def test_ragged_grid_counts_the_kernels_rows_per_cta(fake_sm90, monkeypatch, target, heads,
+                                                     rows_per_cta):
+    """The binding sizes the work split by the CTAs the handler launches: ceil(M / rows per CTA),
+    the rows of 128 query columns (256 in the overlapped form)."""
+    import jax
+    seen = []
+    monkeypatch.setattr(logits, "tiles_per_cta", lambda ctas, tiles, sms: seen.append(ctas) or 1)
+    num_rows = 37
+    jax.eval_shape(lambda *a: logits._ragged_native(*a, target=target),
+                   jax.ShapeDtypeStruct((num_rows, heads, 128), jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((300, 128), jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((300,), jnp.float32),
+                   jax.ShapeDtypeStruct((num_rows, heads), jnp.float32),
+                   jax.ShapeDtypeStruct((num_rows,), jnp.int32),
+                   jax.ShapeDtypeStruct((num_rows,), jnp.int32))
+    assert seen == [-(-num_rows // rows_per_cta)]
