@@ -11,7 +11,8 @@ next_n = 1, H = 64, k = 2048):
   logits  fp8_paged_mqa_logits(..., max_context_len=L): "native" (implementation="native": the
           preferred SM90 kernel, validated or not), "auto" (what implementation="auto" runs: the
           validated kernels, and per shape the faster where two measured differently; not in the
-          default --backends) and "xla" (pure JAX)
+          default --backends), "xla" (pure JAX) and, with --backends overlap, the overlapped form
+          called by name (`sm90_mqa_logits_overlap`, which nothing runs until it is validated)
   topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
           (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to), "torch"
           (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_stream, the one-CTA
@@ -26,7 +27,8 @@ next_n = 1, H = 64, k = 2048):
   written (B * L * 4 + B * k * 4); select the keys and the indices.
 Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of N keys, N in {8192,
 65536, 131072}; row i sees keys [0, N - M + i + 1), causal):
-  prefill_logits  fp8_mqa_logits: "native", "auto", and "xla" where N <= --xla-prefill-max-keys
+  prefill_logits  fp8_mqa_logits: "native", "auto", "overlap" (by name, as above), and "xla" where
+                  N <= --xla-prefill-max-keys
   prefill_topk    top_k_per_row over those rows: "native", "auto", "xla" (same limit), "torch"
                   (torch.topk over the whole width, whose -inf columns stand outside the rows)
   TFLOP/s counts the in-range products, 2 * 64 * 128 * sum_i len_i; GB/s the logits written (fp32).
@@ -70,8 +72,15 @@ PREFILL_ROWS = 4096
 DECODE_SETS = 4
 PREFILL_SETS = 2
 PREFILL_CALLS = 6
-# Top-k kernels the --backends of these names call by their registered name (decode rows only).
-BY_NAME = {"one_cta": "sm90_topk", "one_cta_stream": "sm90_topk_stream"}
+# Kernels the --backends of these names call by their registered name: top-k (decode rows) and
+# logits (decode and prefill).
+TOPK_BY_NAME = {"one_cta": "sm90_topk", "one_cta_stream": "sm90_topk_stream"}
+LOGITS_BY_NAME = {"overlap": "sm90_mqa_logits_overlap"}
+
+
+def registered(op, name):
+    """The binding of the native kernel `name` of `op` (the public function's checked arguments)."""
+    return next(k.fn for k in registry.registered_op_kernels(op) if k.name == name)
 
 
 def make_decode_inputs(batch, context, seed=0):
@@ -188,15 +197,18 @@ def bench_decode(batch, context, backends, calls, timer, record):
         measure("topk", "lax_top_k",
                 lambda: timed(timer, lambda s: jax.lax.top_k(s, TOP_K)[1], score_sets, (), calls),
                 logits_bytes + index_bytes)
-    for backend, kernel_name in BY_NAME.items():
-        if backend not in backends:
-            continue
-        kernel = next(k.fn for k in registry.registered_op_kernels("top_k_per_row_decode")
-                      if k.name == kernel_name)
+    for backend in [b for b in backends if b in TOPK_BY_NAME]:
+        kernel = registered("top_k_per_row_decode", TOPK_BY_NAME[backend])
         measure("topk", backend,
                 lambda: timed(timer, lambda s, lengths: kernel(s, lengths, next_n=1, k=TOP_K),
                               score_sets, (lengths,), calls),
                 logits_bytes + index_bytes)
+    for backend in [b for b in backends if b in LOGITS_BY_NAME]:
+        kernel = registered("fp8_paged_mqa_logits", LOGITS_BY_NAME[backend])
+        measure("logits", backend,
+                lambda: timed(timer, lambda *a: kernel(*a, max_context_len=context), queries,
+                              shared, calls),
+                key_bytes + logits_bytes)
     if "torch" in backends:
         seconds = torch_topk_seconds(score_sets, calls)
         if seconds is not None:
@@ -213,6 +225,18 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
     logits_bytes = num_rows * num_keys * 4
     queries = [q * (i % 3 + 1) for i in range(PREFILL_SETS)]
     score_sets = None
+
+    def measure_logits(backend, logits):
+        """Times jit(logits)(query, *shared) and logs its TFLOP/s."""
+        row = record.measure(f"prefill_logits {backend:9s} M={num_rows:4d} N={num_keys:6d}",
+                             lambda: timed(timer, logits, queries, shared, PREFILL_CALLS),
+                             logits_bytes, op="prefill_logits", backend=backend, B=1,
+                             context=num_keys, M=num_rows)
+        row["tflops"] = flop / row["us"] / 1e6 if row["us"] else None
+        record.save()
+        if row["tflops"] is not None:
+            record.log(f"    {row['tflops']:.1f} TFLOP/s")
+
     for backend in [b for b in backends if b in ("native", "auto", "xla")]:
         if backend == "xla" and num_keys > xla_max_keys:
             continue
@@ -224,26 +248,20 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
         def top_k(s, starts, ends, backend=backend):
             return jsm.top_k_per_row(s, starts, ends, k=TOP_K, implementation=backend)
 
-        label = f"{backend:9s} M={num_rows:4d} N={num_keys:6d}"
         try:
-            row = record.measure(f"prefill_logits {label}",
-                                 lambda: timed(timer, logits, queries, shared, PREFILL_CALLS),
-                                 logits_bytes, op="prefill_logits", backend=backend, B=1,
-                                 context=num_keys, M=num_rows)
-            row["tflops"] = flop / row["us"] / 1e6 if row["us"] else None
-            record.save()
-            if row["tflops"] is not None:
-                record.log(f"    {row['tflops']:.1f} TFLOP/s")
+            measure_logits(backend, logits)
             if score_sets is None:
                 scores = jax.jit(logits)(q, *shared)
                 score_sets = distinct_copies(scores, PREFILL_SETS)
                 del scores
-            record.measure(f"prefill_topk   {label}",
+            record.measure(f"prefill_topk   {backend:9s} M={num_rows:4d} N={num_keys:6d}",
                            lambda: timed(timer, top_k, score_sets, (starts, ends), PREFILL_CALLS),
                            logits_bytes, op="prefill_topk", backend=backend, B=1,
                            context=num_keys, M=num_rows)
         except (ValueError, RuntimeError) as error:
             skipped(record.log, backend, error)
+    for backend in [b for b in backends if b in LOGITS_BY_NAME]:
+        measure_logits(backend, registered("fp8_mqa_logits", LOGITS_BY_NAME[backend]))
     if "torch" in backends and score_sets is not None:
         seconds = torch_topk_seconds(score_sets, PREFILL_CALLS)
         if seconds is not None:
@@ -288,7 +306,8 @@ def main(argv=None):
     parser.add_argument("--xla-prefill-max-keys", type=int, default=8192,
                         help="largest N whose prefill rows also run pure JAX (it is slow)")
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
-                        choices=["native", "auto", "xla", "torch", *BY_NAME])
+                        choices=["native", "auto", "xla", "torch", *TOPK_BY_NAME,
+                                 *LOGITS_BY_NAME])
     parser.add_argument("--calls", type=int, default=20, help="timed calls per decode row")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")

@@ -29,9 +29,9 @@ it where it fits.
 The overlapped form (kernel name "sm90_mqa_logits_overlap", the kernels compiled with
 Form::kWgmmaOverlap): the same MMAs, with each warpgroup issuing tile i + 1's before it runs tile i's
 epilogue, so that the tensor cores work while it applies relu, the head weights and the sums; its
-ragged CTAs take 4 rows of 64 heads (8 of 32), each key tile serving twice the rows.
-Registered with validated=False until it has passed its GPU tests: "native" prefers it, "auto" does
-not run it.
+ragged CTAs take 4 rows of 64 heads (8 of 32), each key tile serving twice the rows. Registered
+first and with validated=False until it has passed its GPU tests: neither "auto" nor "native" runs
+it; by name only (the GPU tests, bench_indexer.py's "overlap" backend).
 """
 
 from __future__ import annotations
@@ -187,9 +187,10 @@ def _register(name: str, paged_target: str, ragged_target: str, *, validated: bo
             check=functools.partial(check, target=target), validated=validated))
 
 
+# The wgmma form with each tile's epilogue overlapping the next tile's MMAs: not yet run on a GPU,
+# so unvalidated ("auto" passes over it) and registered first, so that "native" prefers the forms
+# below, which fit wherever it does: it runs by name only until its GPU tests pass.
+_register("sm90_mqa_logits_overlap", PAGED_OVERLAP_TARGET, RAGGED_OVERLAP_TARGET, validated=False)
 _register("sm90_mqa_logits", PAGED_TARGET, RAGGED_TARGET)
 # Registered later, so it is preferred where it fits.
 _register("sm90_mqa_logits_wgmma", PAGED_WGMMA_TARGET, RAGGED_WGMMA_TARGET)
-# The wgmma form with each tile's epilogue overlapping the next tile's MMAs: not yet run on a GPU,
-# so "auto" passes over it; implementation="native" prefers it.
-_register("sm90_mqa_logits_overlap", PAGED_OVERLAP_TARGET, RAGGED_OVERLAP_TARGET, validated=False)

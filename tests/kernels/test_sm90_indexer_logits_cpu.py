@@ -1,8 +1,8 @@
 """CPU tests of the SM90 indexer logits binding (kernels/sm90_indexer_logits.py): its problem
 checks, its work split, its registration ("auto" and "native" on an SM90 device select the
-mma.sync form; both prefer the warpgroup-MMA form where the extension has it; "native" prefers the
-overlapped form where the extension has it, "auto" does not until it is validated) and, with the
-extension built, that all six targets are registered as command-buffer compatible. The extension tests skip when it is not importable;
+mma.sync form; both prefer the warpgroup-MMA form where the extension has it; neither runs the
+overlapped form, which runs by name until it is validated) and, with the extension built, that all
+six targets are registered as command-buffer compatible. The extension tests skip when it is not importable;
 JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
 """
 
@@ -132,10 +132,13 @@ def test_native_and_auto_prefer_the_wgmma_form(fake_sm90, monkeypatch, op, probl
 
 @pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
                                         ("fp8_mqa_logits", ragged())])
-def test_native_prefers_the_overlapped_form_auto_waits_for_its_validation(fake_sm90, monkeypatch,
-                                                                           op, problem):
+def test_the_overlapped_form_runs_only_by_name(fake_sm90, monkeypatch, op, problem):
+    """Registered unvalidated and before the other forms: with its targets present, neither "auto"
+    nor "native" selects it (a kernel native can run must have passed racecheck on the GPU)."""
     monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS | OVERLAP_TARGETS))
-    assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_overlap"
+    overlap = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_mqa_logits_overlap"]
+    assert len(overlap) == 1 and not overlap[0].validated and overlap[0].available()
+    assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_wgmma"
     assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits_wgmma"
 
 
