@@ -11,8 +11,7 @@ next_n = 1, H = 64, k = 2048):
   logits  fp8_paged_mqa_logits(..., max_context_len=L): "native" (implementation="native": the
           preferred SM90 kernel, validated or not), "auto" (what implementation="auto" runs: the
           validated kernels, and per shape the faster where two measured differently; not in the
-          default --backends), "xla" (pure JAX) and, with --backends overlap, the overlapped form
-          called by name (`sm90_mqa_logits_overlap`, which nothing runs until it is validated)
+          default --backends), "xla" (pure JAX)
   topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
           (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to), "torch"
           (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_stream, the one-CTA
@@ -27,8 +26,7 @@ next_n = 1, H = 64, k = 2048):
   written (B * L * 4 + B * k * 4); select the keys and the indices.
 Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of N keys, N in {8192,
 65536, 131072}; row i sees keys [0, N - M + i + 1), causal):
-  prefill_logits  fp8_mqa_logits: "native", "auto", "overlap" (by name, as above), and "xla" where
-                  N <= --xla-prefill-max-keys
+  prefill_logits  fp8_mqa_logits: "native", "auto", and "xla" where N <= --xla-prefill-max-keys
   prefill_topk    top_k_per_row over those rows: "native", "auto", "xla" (same limit), "torch"
                   (torch.topk over the whole width, whose -inf columns stand outside the rows)
   TFLOP/s counts the in-range products, 2 * 64 * 128 * sum_i len_i; GB/s the logits written (fp32).
@@ -75,7 +73,6 @@ PREFILL_CALLS = 6
 # Kernels the --backends of these names call by their registered name: top-k (decode rows) and
 # logits (decode and prefill).
 TOPK_BY_NAME = {"one_cta": "sm90_topk", "one_cta_stream": "sm90_topk_stream"}
-LOGITS_BY_NAME = {"overlap": "sm90_mqa_logits_overlap"}
 
 
 def registered(op, name):
@@ -203,12 +200,6 @@ def bench_decode(batch, context, backends, calls, timer, record):
                 lambda: timed(timer, lambda s, lengths: kernel(s, lengths, next_n=1, k=TOP_K),
                               score_sets, (lengths,), calls),
                 logits_bytes + index_bytes)
-    for backend in [b for b in backends if b in LOGITS_BY_NAME]:
-        kernel = registered("fp8_paged_mqa_logits", LOGITS_BY_NAME[backend])
-        measure("logits", backend,
-                lambda: timed(timer, lambda *a: kernel(*a, max_context_len=context), queries,
-                              shared, calls),
-                key_bytes + logits_bytes)
     if "torch" in backends:
         seconds = torch_topk_seconds(score_sets, calls)
         if seconds is not None:
@@ -260,8 +251,6 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
                            context=num_keys, M=num_rows)
         except (ValueError, RuntimeError) as error:
             skipped(record.log, backend, error)
-    for backend in [b for b in backends if b in LOGITS_BY_NAME]:
-        measure_logits(backend, registered("fp8_mqa_logits", LOGITS_BY_NAME[backend]))
     if "torch" in backends and score_sets is not None:
         seconds = torch_topk_seconds(score_sets, PREFILL_CALLS)
         if seconds is not None:
@@ -306,8 +295,7 @@ def main(argv=None):
     parser.add_argument("--xla-prefill-max-keys", type=int, default=8192,
                         help="largest N whose prefill rows also run pure JAX (it is slow)")
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
-                        choices=["native", "auto", "xla", "torch", *TOPK_BY_NAME,
-                                 *LOGITS_BY_NAME])
+                        choices=["native", "auto", "xla", "torch", *TOPK_BY_NAME])
     parser.add_argument("--calls", type=int, default=20, help="timed calls per decode row")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")

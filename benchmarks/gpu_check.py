@@ -14,8 +14,7 @@ and the next one runs):
   sm90       bench_sm90.py at README's attention shapes (T 128 and 512, H 16 and 128, three caches,
              the T = 1 decode loop)
   indexer    bench_indexer.py: decode B {1, 32, 128} x L {8192, 65536, 131072}, native / auto /
-             pure JAX / torch.topk / both one-CTA top-k builds and the overlapped logits form by
-             name, prefill at N = 65536
+             pure JAX / torch.topk / both one-CTA top-k builds by name, prefill at N = 65536
   conversion bench_index_conversion.py at T {1, 128, 1024, 8192}
   example    examples/generate.py --preset deepseek-v3.2 --layers 4 --batch 32 --context 65536 with
              --implementation auto, xla and native: wall ms/step as printed (15 steps, no profiler),
@@ -245,7 +244,6 @@ def main() -> None:
             status, _, seconds = log.run("indexer", [
                 *python, os.path.join(HERE, "bench_indexer.py"), "--out", out,
                 "--backends", "native", "auto", "xla", "torch", "one_cta", "one_cta_stream",
-                "overlap",
                 "--prefill-keys", "65536"],
                 env=bench_env)
             record(step, status, seconds)

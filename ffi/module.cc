@@ -42,14 +42,6 @@ nb::dict Registrations() {
   targets["jax_sparse_mla_sm90_paged_mqa_logits"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogits);
   targets["jax_sparse_mla_sm90_mqa_logits"] = EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogits);
-  targets["jax_sparse_mla_sm90_paged_mqa_logits_wgmma"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogitsWgmma);
-  targets["jax_sparse_mla_sm90_mqa_logits_wgmma"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogitsWgmma);
-  targets["jax_sparse_mla_sm90_paged_mqa_logits_overlap"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogitsOverlap);
-  targets["jax_sparse_mla_sm90_mqa_logits_overlap"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogitsOverlap);
   targets["jax_sparse_mla_sm90_top_k_per_row"] = EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRow);
   targets["jax_sparse_mla_sm90_top_k_per_row_decode"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecode);
@@ -85,10 +77,6 @@ std::vector<std::string> CommandBufferTargets() {
   names.push_back("jax_sparse_mla_sm90_fp8_decode");
   names.push_back("jax_sparse_mla_sm90_paged_mqa_logits");
   names.push_back("jax_sparse_mla_sm90_mqa_logits");
-  names.push_back("jax_sparse_mla_sm90_paged_mqa_logits_wgmma");
-  names.push_back("jax_sparse_mla_sm90_mqa_logits_wgmma");
-  names.push_back("jax_sparse_mla_sm90_paged_mqa_logits_overlap");
-  names.push_back("jax_sparse_mla_sm90_mqa_logits_overlap");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_cluster");

@@ -1,6 +1,5 @@
-// XLA FFI handlers of the lightning indexer's fp8 MQA logits on SM90 (indexer_logits.cuh), each in
-// three forms (indexer::Form: mma.sync, warpgroup MMA, warpgroup MMA with the epilogue overlapped):
-// one kernel launch each, no host synchronisation, no allocation.
+// XLA FFI handlers of the lightning indexer's fp8 MQA logits on SM90 (indexer_logits.cuh): one
+// kernel launch each, no host synchronisation, no allocation.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -28,12 +27,12 @@ ffi::Error ArgumentError(const char* op, const std::string& what) {
 
 using sm90::RaiseSharedMemoryLimit;
 
-template <int kHeads, int kNextN, Form kForm>
+template <int kHeads, int kNextN>
 cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t batch,
                         cudaStream_t stream) {
   using L = Layout<kHeads, kNextN>;
-  constexpr auto kKernel = PagedMqaLogitsKernel<L, kForm>;
-  constexpr int kBytes = kKernelSmemBytes<L, kForm>;
+  constexpr auto kKernel = PagedMqaLogitsKernel<L>;
+  constexpr int kBytes = kKernelSmemBytes<L>;
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
@@ -42,12 +41,12 @@ cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t b
   return cudaGetLastError();
 }
 
-template <int kHeads, int kRows, Form kForm>
+template <int kHeads, int kRows>
 cudaError_t LaunchRagged(const RaggedParams& params, int64_t num_row_blocks, int64_t num_chunks,
                          cudaStream_t stream) {
   using L = Layout<kHeads, kRows>;
-  constexpr auto kKernel = RaggedMqaLogitsKernel<L, kForm>;
-  constexpr int kBytes = kKernelSmemBytes<L, kForm>;
+  constexpr auto kKernel = RaggedMqaLogitsKernel<L>;
+  constexpr int kBytes = kKernelSmemBytes<L>;
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
@@ -61,7 +60,6 @@ ffi::Error LaunchError(const char* op, cudaError_t status) {
                               cudaGetErrorString(status));
 }
 
-template <Form kForm>
 ffi::Error PagedMqaLogits(cudaStream_t stream,
                           ffi::AnyBuffer q,                     // [B, next_n, H, 128] e4m3
                           ffi::Buffer<ffi::U8> index_cache,     // [num_blocks, 64, 132]
@@ -127,17 +125,16 @@ ffi::Error PagedMqaLogits(cudaStream_t stream,
 
   cudaError_t status;
   if (num_heads == 64) {
-    status = next_n == 1 ? LaunchPaged<64, 1, kForm>(params, num_chunks, batch, stream)
-                         : LaunchPaged<64, 2, kForm>(params, num_chunks, batch, stream);
+    status = next_n == 1 ? LaunchPaged<64, 1>(params, num_chunks, batch, stream)
+                         : LaunchPaged<64, 2>(params, num_chunks, batch, stream);
   } else {
-    status = next_n == 1 ? LaunchPaged<32, 1, kForm>(params, num_chunks, batch, stream)
-                         : LaunchPaged<32, 2, kForm>(params, num_chunks, batch, stream);
+    status = next_n == 1 ? LaunchPaged<32, 1>(params, num_chunks, batch, stream)
+                         : LaunchPaged<32, 2>(params, num_chunks, batch, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
 }
 
-template <Form kForm>
 ffi::Error MqaLogits(cudaStream_t stream,
                      ffi::AnyBuffer q,                    // [M, H, 128] e4m3
                      ffi::AnyBuffer keys,                 // [N, 128] e4m3
@@ -200,17 +197,15 @@ ffi::Error MqaLogits(cudaStream_t stream,
   params.num_keys = static_cast<int>(num_keys);
   params.tiles_per_cta = static_cast<int>(tiles_per_cta);
 
-  // kRaggedColumns<kForm> query columns per CTA, groups of 64 on 4 warps each: 128 (2 rows of 64
-  // heads or 4 of 32) or, in the overlapped form, 256 (4 rows of 64 or 8 of 32), each key tile then
-  // serving twice the rows for the same bytes brought from L2.
-  constexpr int kRows64 = kRaggedColumns<kForm> / 64, kRows32 = kRaggedColumns<kForm> / 32;
+  // kRaggedColumns query columns per CTA, groups of 64 on 4 warps each.
+  constexpr int kRows64 = kRaggedColumns / 64, kRows32 = kRaggedColumns / 32;
   cudaError_t status;
   if (num_heads == 64) {
-    status = LaunchRagged<64, kRows64, kForm>(params, (num_rows + kRows64 - 1) / kRows64,
-                                              num_chunks, stream);
+    status = LaunchRagged<64, kRows64>(params, (num_rows + kRows64 - 1) / kRows64,
+                                       num_chunks, stream);
   } else {
-    status = LaunchRagged<32, kRows32, kForm>(params, (num_rows + kRows32 - 1) / kRows32,
-                                              num_chunks, stream);
+    status = LaunchRagged<32, kRows32>(params, (num_rows + kRows32 - 1) / kRows32,
+                                       num_chunks, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
@@ -243,27 +238,10 @@ ffi::Error MqaLogits(cudaStream_t stream,
       .Attr<int64_t>("tiles_per_cta")
 
 namespace logits = jax_sparse_mla::indexer;
-using logits::Form;
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits,
-                              logits::PagedMqaLogits<Form::kMmaSync>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits, logits::PagedMqaLogits,
                               JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, logits::MqaLogits<Form::kMmaSync>,
-                              JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsWgmma,
-                              logits::PagedMqaLogits<Form::kWgmma>,
-                              JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsWgmma, logits::MqaLogits<Form::kWgmma>,
-                              JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsOverlap,
-                              logits::PagedMqaLogits<Form::kWgmmaOverlap>,
-                              JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsOverlap,
-                              logits::MqaLogits<Form::kWgmmaOverlap>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, logits::MqaLogits,
                               JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});

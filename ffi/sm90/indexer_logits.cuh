@@ -13,28 +13,24 @@
 //                         of the gathered key buffer); each key tile is reused by all its rows.
 //
 // Work of one CTA on one 64-key tile: the query columns (row, head) it owns are split into groups
-// of at most 64 columns; each group is 4 warps, warp w of a group takes keys [16 w, 16 w + 16) of
-// the tile (one m16 tile) against all the group's columns. The dot products are tensor-core MMAs
-// mma.sync.m16n8k32 e4m3 x e4m3 -> f32 with the keys as A (row-major, 16 keys x 32 dims) and the
-// query columns as B (8 columns x 32 dims, "col" = dims contiguous), K = 128 in 4 steps. Each
-// thread keeps its columns' query bytes (B fragments) and head weights in registers for the whole
-// CTA, so a tile costs only its key fragments from shared memory. The epilogue applies relu and
-// the head weight to each accumulator, sums over heads (in-thread over its columns, then over the
-// 4 threads of a quad with shuffles), multiplies by the key's scale and stores fp32 straight to
-// global memory, or -inf where the key is outside the row's range.
-//
-// Throughput caveat: sm_90 has no native fp8 mma.sync; ptxas lowers each m16n8k32 e4m3 MMA to
-// e4m3 -> f16 conversions of both operands (F2FP.F16.E4M3.UNPACK_B, exact) and f16 HMMA.16816
-// with fp32 accumulation. Results stay exact-product / fp32-accumulate, but the query operand is
-// re-converted for every tile; warpgroup MMAs (wgmma, native e4m3) are the faster path.
+// of at most 64 columns; each group is one warpgroup (4 warps), and warp w of a group takes keys
+// [16 w, 16 w + 16) of the tile against all the group's columns. The dot products are warpgroup
+// MMAs (wgmma m64 n(32 or 64) k32, e4m3 x e4m3 -> f32, which Hopper runs natively), K = 128 in 4
+// k-steps, with the keys as A from registers (each warp loads its 16 key rows from the stage) and
+// the group's query columns as B from shared memory, stored there once per CTA. The epilogue
+// applies relu and the head weight to each accumulator, sums over heads (in-thread over its
+// columns, then over the 4 threads of a quad with shuffles), multiplies by the key's scale and
+// stores fp32 straight to global memory, or -inf where the key is outside the row's range. Each
+// warpgroup issues tile i + 1's MMAs before it runs tile i's epilogue, so that the tensor cores
+// work while it runs (RunTiles).
 //
 // Dim permutation: a dot product does not depend on the order of its 128 terms, so the MMA's
 // logical K index need not be the memory dim, as long as A and B use the same map. We let thread
-// (group g = lane / 4, t = lane % 4) hold the 32 contiguous bytes [32 t, 32 t + 32) of its key rows
-// and of its query columns: 32-bit word 2 ks + half of that chunk feeds k-step ks, register half
-// (logical dims 32 ks + 16 half + 4 t + 0..3). Both operands load with 16-byte vector loads.
-// Shared-memory banks: key rows are 128 bytes apart (the copy engine cannot pad them), so the two
-// rows of one 8-lane phase of a 16-byte load would hit the same banks; lanes of odd g load their
+// (group g = lane / 4, t = lane % 4) hold the 32 contiguous bytes [32 t, 32 t + 32) of its key rows:
+// 32-bit word 2 ks + half of that chunk feeds k-step ks, register half (logical dims 32 ks + 16 half
+// + 4 t + 0..3), and the query operand is stored with the same map. Keys load with 16-byte vector
+// loads. Shared-memory banks: key rows are 128 bytes apart (the copy engine cannot pad them), so the
+// two rows of one 8-lane phase of a 16-byte load would hit the same banks; lanes of odd g load their
 // two 16-byte halves in the opposite order (then swap registers), which makes the phase
 // conflict-free without changing any value.
 #pragma once
@@ -102,16 +98,6 @@ struct Layout {
   static_assert(2 * kWarpRows <= 4, "a quad's 4 lanes store 2 keys x kWarpRows rows");
 };
 
-// How a CTA computes its tiles' dot products (the template parameter of both kernels):
-//   kMmaSync       mma.sync m16n8k32, the query as B fragments in registers;
-//   kWgmma         one warpgroup MMA per k-step, the query as B in shared memory, each tile's MMAs
-//                  waited for before its epilogue;
-//   kWgmmaOverlap  the same MMAs, with tile i + 1's issued before tile i's epilogue, which then
-//                  runs while they execute (RunTiles).
-enum class Form { kMmaSync, kWgmma, kWgmmaOverlap };
-
-__host__ __device__ constexpr bool UsesWgmma(Form form) { return form != Form::kMmaSync; }
-
 // ---- PTX wrappers -------------------------------------------------------------------------------
 
 using sm90::ArriveExpectBytes;
@@ -123,22 +109,11 @@ using sm90::InitBarrier;
 using sm90::SmemAddress;
 using sm90::WaitBarrier;
 
-// acc[16 keys x 8 cols] += a[16 x 32] * b[32 x 8], e4m3 inputs, fp32 accumulators.
-__device__ __forceinline__ void MmaE4m3(float (&acc)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 __device__ __forceinline__ float NegativeInfinity() { return __int_as_float(0xff800000); }
 
-// relu that keeps NaN (as jnp.maximum(x, 0) does; fmaxf would turn NaN into 0).
-__device__ __forceinline__ float Relu(float x) { return x < 0.0f ? 0.0f : x; }
-
-// The same in one instruction (`Relu` compiles to a compare and a select).
-__device__ __forceinline__ float ReluOneInstruction(float x) {
+// relu that keeps NaN (as jnp.maximum(x, 0) does; fmaxf would turn NaN into 0), in one
+// instruction (a compare and a select otherwise).
+__device__ __forceinline__ float Relu(float x) {
   float y;
   asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(y) : "f"(x));
   return y;
@@ -146,15 +121,7 @@ __device__ __forceinline__ float ReluOneInstruction(float x) {
 
 // ---- warp-level pieces shared by both kernels --------------------------------------------------
 
-// One thread's query columns for the whole CTA as mma.sync B fragments: the 32-byte dim chunk of
-// each of its kNTiles columns.
-template <class L>
-struct QueryFragment {
-  uint32_t b[L::kNTiles][8];
-};
-
-// The head weights of the two accumulator columns a thread holds per n8 tile (both MMA forms have
-// that accumulator layout).
+// The head weights of the two accumulator columns a thread holds per n8 tile of its accumulators.
 template <class L>
 struct HeadWeights {
   float w[L::kNTiles][2];
@@ -164,25 +131,6 @@ struct HeadWeights {
 template <class L>
 __device__ __forceinline__ bool TilePresent(int group, int n, int valid_rows) {
   return (group * L::kWarpCols + n * 8) / L::kHeads < valid_rows;
-}
-
-// q_cta: the CTA's first query row ([kRows, H, 128] e4m3, contiguous); absent rows: zero query.
-template <class L>
-__device__ __forceinline__ void LoadQuery(QueryFragment<L>& f, const uint8_t* q_cta, int group,
-                                          int lane, int valid_rows) {
-  const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-  for (int n = 0; n < L::kNTiles; ++n) {
-    uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-    if (TilePresent<L>(group, n, valid_rows)) {
-      const int tile_col = group * L::kWarpCols + n * 8;
-      const uint8_t* column = q_cta + static_cast<int64_t>(tile_col + g) * kHeadDim + 32 * t;
-      lo = *reinterpret_cast<const uint4*>(column);
-      hi = *reinterpret_cast<const uint4*>(column + 16);
-    }
-    f.b[n][0] = lo.x, f.b[n][1] = lo.y, f.b[n][2] = lo.z, f.b[n][3] = lo.w;
-    f.b[n][4] = hi.x, f.b[n][5] = hi.y, f.b[n][6] = hi.z, f.b[n][7] = hi.w;
-  }
 }
 
 // w_cta: the CTA's first row of weights ([kRows, H]); absent rows: zero weight.
@@ -217,10 +165,9 @@ __device__ __forceinline__ void LoadKeyChunk(uint32_t (&words)[8], const uint8_t
 
 // The warp's head sums from its accumulators (acc[n][0..1]: key g, columns 2t, 2t + 1 of n8 tile n;
 // acc[n][2..3]: key g + 8, same columns): lo[r] / hi[r] = sum over the heads of the warp's row r of
-// w * relu(q . k), complete in every lane of the quad. kFewerInstructions (the overlapped form):
-// relu in one instruction and one fused multiply-add per accumulator, 2 instructions where the
-// other forms spend about 3.5 (the sums round differently, within the fp32 accumulation's error).
-template <class L, bool kFewerInstructions = false>
+// w * relu(q . k), complete in every lane of the quad. Two instructions per accumulator (relu,
+// then a fused multiply-add into the row's sum).
+template <class L>
 __device__ __forceinline__ void HeadSums(const float (&acc)[L::kNTiles][4],
                                          const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
                                          float (&hi)[L::kWarpRows]) {
@@ -229,15 +176,10 @@ __device__ __forceinline__ void HeadSums(const float (&acc)[L::kNTiles][4],
 #pragma unroll
   for (int n = 0; n < L::kNTiles; ++n) {
     const int r = n * 8 / L::kHeads;
-    if constexpr (kFewerInstructions) {
-      lo[r] = fmaf(hw.w[n][0], ReluOneInstruction(acc[n][0]), lo[r]);
-      lo[r] = fmaf(hw.w[n][1], ReluOneInstruction(acc[n][1]), lo[r]);
-      hi[r] = fmaf(hw.w[n][0], ReluOneInstruction(acc[n][2]), hi[r]);
-      hi[r] = fmaf(hw.w[n][1], ReluOneInstruction(acc[n][3]), hi[r]);
-    } else {
-      lo[r] += hw.w[n][0] * Relu(acc[n][0]) + hw.w[n][1] * Relu(acc[n][1]);
-      hi[r] += hw.w[n][0] * Relu(acc[n][2]) + hw.w[n][1] * Relu(acc[n][3]);
-    }
+    lo[r] = fmaf(hw.w[n][0], Relu(acc[n][0]), lo[r]);
+    lo[r] = fmaf(hw.w[n][1], Relu(acc[n][1]), lo[r]);
+    hi[r] = fmaf(hw.w[n][0], Relu(acc[n][2]), hi[r]);
+    hi[r] = fmaf(hw.w[n][1], Relu(acc[n][3]), hi[r]);
   }
 #pragma unroll
   for (int r = 0; r < L::kWarpRows; ++r) {
@@ -258,38 +200,15 @@ __device__ __forceinline__ void LoadKeyFragment(const uint8_t* tile, int mtile, 
   LoadKeyChunk(a_hi, row + 8 * kHeadDim, t, (g & 1) != 0);
 }
 
-// mma.sync form: for keys k0 = 16 * mtile + lane / 4 and k0 + 8 of the tile, the warp's head sums
-// (HeadSums), with the query as B fragments in registers.
-template <class L>
-__device__ __forceinline__ void TileHeadSums(const uint8_t* tile, int mtile, int lane,
-                                             const QueryFragment<L>& f, const HeadWeights<L>& hw,
-                                             float (&lo)[L::kWarpRows],
-                                             float (&hi)[L::kWarpRows]) {
-  uint32_t a_lo[8], a_hi[8];
-  LoadKeyFragment(tile, mtile, lane, a_lo, a_hi);
-  float acc[L::kNTiles][4];
-#pragma unroll
-  for (int n = 0; n < L::kNTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-    for (int n = 0; n < L::kNTiles; ++n) {
-      MmaE4m3(acc[n], a_lo[2 * ks], a_hi[2 * ks], a_lo[2 * ks + 1], a_hi[2 * ks + 1],
-              f.b[n][2 * ks], f.b[n][2 * ks + 1]);
-    }
-  }
-  HeadSums<L>(acc, hw, lo, hi);
-}
-
-// ---- the warpgroup-MMA form ---------------------------------------------------------------------
+// ---- the warpgroup MMAs ------------------------------------------------------------------------
 //
-// Hopper runs e4m3 natively only in warpgroup MMAs. A group of 4 warps is one warpgroup, and its
-// warp w already holds keys [16 w, 16 w + 16) of the tile as the m16n8k32 A fragments above, which
-// is also the register layout of a wgmma A operand (rows 16 w + g and + 8, bytes 4 t.. and 16 + 4 t..
-// of each 32-wide k-step). So one wgmma m64 n(kWarpCols) k32 per k-step takes the keys from
-// registers and the group's query columns as B from shared memory, with the same dim permutation
-// (k-step ks, logical k = 16 h + 4 t + j reads memory dim 32 t + 8 ks + 4 h + j), and leaves the
-// accumulators in the mma.sync layout (element 4 n + j is acc[n][j]), so HeadSums is unchanged.
+// Warp w of a warpgroup holds keys [16 w, 16 w + 16) of the tile in the register layout of a wgmma
+// A operand (rows 16 w + g and + 8, bytes 4 t.. and 16 + 4 t.. of each 32-wide k-step), so one
+// wgmma m64 n(kWarpCols) k32 per k-step takes the keys from registers and the group's query
+// columns as B from shared memory, with the dim permutation of the module comment (k-step ks,
+// logical k = 16 h + 4 t + j reads memory dim 32 t + 8 ks + 4 h + j). The accumulators come out in
+// the layout HeadSums reads (element 4 n + j is acc[n][j]: key g for j < 2, g + 8 otherwise,
+// columns 8 n + 2 t + j % 2).
 //
 // The B operand of a group: K-major, unswizzled core matrices (8 columns x 16 bytes of K, 128
 // bytes each): the 16-byte K chunk c (logical k [16 c, 16 c + 16)) of column n lives at
@@ -343,7 +262,7 @@ __device__ __forceinline__ void StoreQueryOperand(uint8_t* operand, const uint8_
   }
 }
 
-// The wgmma form of TileHeadSums, in two halves, so that a warpgroup can run one tile's epilogue
+// One tile's MMAs and head sums, in two halves, so that a warpgroup can run one tile's epilogue
 // while the next tile's MMAs execute (RunTiles): Issue loads a tile's key fragments into `keys` and
 // issues its four k-steps into `acc` as one batch; Sums, once a warpgroup_wait has retired that
 // batch, reduces `acc`. The key fragments are read by the MMAs until they complete, so `keys` is
@@ -380,13 +299,12 @@ struct WgmmaTile {
     cute::warpgroup_commit_batch();
   }
 
-  template <bool kFewerInstructions>
   __device__ __forceinline__ void Sums(const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
                                        float (&hi)[L::kWarpRows]) {
     float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
 #pragma unroll
     for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
-    HeadSums<L, kFewerInstructions>(acc, hw, lo, hi);
+    HeadSums<L>(acc, hw, lo, hi);
   }
 };
 
@@ -405,40 +323,30 @@ __device__ __forceinline__ float PickResult(const float (&lo)[L::kWarpRows],
 
 // ---- decode: paged logits -----------------------------------------------------------------------
 
-// Dynamic shared memory of a kernel: the ring of stages and its barriers, then (wgmma form) the
-// query operand (16-byte aligned: kSmemBytes is a multiple of 16).
-template <class L, Form kForm>
-inline constexpr int kKernelSmemBytes =
-    kSmemBytes + (UsesWgmma(kForm) ? kQueryOperandBytes<L> : 0);
+// Dynamic shared memory of a kernel: the ring of stages and its barriers, then the query operand
+// (16-byte aligned: kSmemBytes is a multiple of 16).
+template <class L>
+inline constexpr int kKernelSmemBytes = kSmemBytes + kQueryOperandBytes<L>;
 static_assert(kSmemBytes % 16 == 0);
 
-// The query of the CTA's rows as the kernels' MMAs take it: B fragments in registers (mma.sync
-// form) or the B operand in shared memory at `operand` (wgmma form; every thread of the CTA takes
-// part, and a __syncthreads must follow before the first tile).
-template <class L, bool kWgmma>
-struct Query {
-  QueryFragment<L> fragment;  // mma.sync form only
-  uint64_t descriptor;        // wgmma form only: this warpgroup's operand at k-step 0
-
-  __device__ __forceinline__ void Load(const uint8_t* q_cta, uint8_t* operand, int group, int lane,
-                                       int valid_rows) {
-    if constexpr (kWgmma) {
-      StoreQueryOperand<L>(operand, q_cta, valid_rows);
-      FenceProxyAsync();
-      descriptor = Descriptor(operand + group * L::kWarpCols * kHeadDim, L::kWarpCols * 16, 128);
-    } else {
-      LoadQuery<L>(fragment, q_cta, group, lane, valid_rows);
-    }
-  }
-};
+// Stores the CTA's query columns into `operand` (every thread of the CTA takes part; a
+// __syncthreads must follow before the first tile) and returns this warpgroup's B descriptor at
+// k-step 0.
+template <class L>
+__device__ __forceinline__ uint64_t LoadQuery(const uint8_t* q_cta, uint8_t* operand, int group,
+                                              int valid_rows) {
+  StoreQueryOperand<L>(operand, q_cta, valid_rows);
+  FenceProxyAsync();
+  return Descriptor(operand + group * L::kWarpCols * kHeadDim, L::kWarpCols * 16, 128);
+}
 
 // The tile loop of both kernels over the CTA's num_loads tiles in the ring (tile i in stage
 // i % kStages, complete when full[stage] flips): per tile, `epilogue(i, page, value)` stores the
 // lane's result (PickResult), then the CTA synchronises and `refill(i)` may refill the stage (every
-// warp is done with it). The overlapped form issues tile i + 1's MMAs before tile i's epilogue,
-// which then runs while they execute.
-template <class L, Form kForm, class Epilogue, class Refill>
-__device__ __forceinline__ void RunTiles(const Query<L, UsesWgmma(kForm)>& query,
+// warp is done with it). Tile i + 1's MMAs are issued before tile i's epilogue, which then runs
+// while they execute. `query`: the warpgroup's B descriptor (LoadQuery).
+template <class L, class Epilogue, class Refill>
+__device__ __forceinline__ void RunTiles(uint64_t query,
                                          const uint8_t* stages, uint64_t* full, int num_loads,
                                          int mtile, int lane, const HeadWeights<L>& hw,
                                          Epilogue&& epilogue, Refill&& refill) {
@@ -450,74 +358,52 @@ __device__ __forceinline__ void RunTiles(const Query<L, UsesWgmma(kForm)>& query
     __syncthreads();  // every warp is done with this stage (its MMAs read registers, not it)
     refill(i);
   };
-  if constexpr (kForm == Form::kWgmma) {
-    KeyFragment keys;
-    for (int i = 0; i < num_loads; ++i) {
-      WgmmaTile<L> tile;
-      wait(i);
-      tile.Issue(keys, page(i), mtile, lane, query.descriptor);
-      cute::warpgroup_wait<0>();
-      float lo[L::kWarpRows], hi[L::kWarpRows];
-      tile.template Sums<false>(hw, lo, hi);
-      finish(i, lo, hi);
-    }
-  } else if constexpr (kForm == Form::kWgmmaOverlap) {
-    // Tiles 2j and 2j + 1 accumulate in two named sets of registers, so that tile i's epilogue
-    // runs while tile i + 1's MMAs execute; one set of key fragments serves both, reloaded after
-    // the wait that retires the MMAs reading it. ptxas tracks which accumulators a wait retires
-    // only where every path issues the same MMAs, so the loop body issues unconditionally (`even`
-    // in flight at its top and at its end) and the last one or two tiles are peeled after it: with
-    // an issue under a condition it serialises every wgmma of the kernel.
-    KeyFragment keys;
-    WgmmaTile<L> even, odd;
-    auto issue = [&](int i, WgmmaTile<L>& tile) {
-      wait(i);
-      tile.Issue(keys, page(i), mtile, lane, query.descriptor);
-    };
-    auto sums_and_finish = [&](int i, WgmmaTile<L>& tile) {
-      float lo[L::kWarpRows], hi[L::kWarpRows];
-      tile.template Sums<true>(hw, lo, hi);
-      finish(i, lo, hi);
-    };
-    issue(0, even);
-    int i = 0;
-    for (; i + 2 < num_loads; i += 2) {
-      cute::warpgroup_wait<0>();  // tile i's MMAs are done
-      issue(i + 1, odd);
-      sums_and_finish(i, even);
-      cute::warpgroup_wait<0>();
-      issue(i + 2, even);
-      sums_and_finish(i + 1, odd);
-    }
+  // Tiles 2j and 2j + 1 accumulate in two named sets of registers, so that tile i's epilogue
+  // runs while tile i + 1's MMAs execute; one set of key fragments serves both, reloaded after
+  // the wait that retires the MMAs reading it. ptxas tracks which accumulators a wait retires
+  // only where every path issues the same MMAs, so the loop body issues unconditionally (`even`
+  // in flight at its top and at its end) and the last one or two tiles are peeled after it: with
+  // an issue under a condition it serialises every wgmma of the kernel.
+  KeyFragment keys;
+  WgmmaTile<L> even, odd;
+  auto issue = [&](int i, WgmmaTile<L>& tile) {
+    wait(i);
+    tile.Issue(keys, page(i), mtile, lane, query);
+  };
+  auto sums_and_finish = [&](int i, WgmmaTile<L>& tile) {
+    float lo[L::kWarpRows], hi[L::kWarpRows];
+    tile.Sums(hw, lo, hi);
+    finish(i, lo, hi);
+  };
+  issue(0, even);
+  int i = 0;
+  for (; i + 2 < num_loads; i += 2) {
+    cute::warpgroup_wait<0>();  // tile i's MMAs are done
+    issue(i + 1, odd);
+    sums_and_finish(i, even);
     cute::warpgroup_wait<0>();
-    if (i + 1 < num_loads) {
-      issue(i + 1, odd);
-      sums_and_finish(i, even);
-      cute::warpgroup_wait<0>();
-      sums_and_finish(i + 1, odd);
-    } else {
-      sums_and_finish(i, even);
-    }
+    issue(i + 2, even);
+    sums_and_finish(i + 1, odd);
+  }
+  cute::warpgroup_wait<0>();
+  if (i + 1 < num_loads) {
+    issue(i + 1, odd);
+    sums_and_finish(i, even);
+    cute::warpgroup_wait<0>();
+    sums_and_finish(i + 1, odd);
   } else {
-    for (int i = 0; i < num_loads; ++i) {
-      wait(i);
-      float lo[L::kWarpRows], hi[L::kWarpRows];
-      TileHeadSums<L>(page(i), mtile, lane, query.fragment, hw, lo, hi);
-      finish(i, lo, hi);
-    }
+    sums_and_finish(i, even);
   }
 }
 
-// CTAs resident per SM the kernels are compiled for: 3 of 128 threads (168 registers each); for the
-// overlapped form, as many as 128 registers a thread allow (2 of 256 threads, 1 of 512: its two
-// accumulator sets would otherwise take 143 and leave fewer); 1 for the other forms' 256 threads
-// (the warpgroup-MMA form needs under 128 anyway; mma.sync's query fragments alone take 128).
-template <class L, Form kForm>
-inline constexpr int kMinCtasPerSm =
-    L::kThreads == 128 ? 3 : (kForm == Form::kWgmmaOverlap ? 65536 / (L::kThreads * 128) : 1);
+// CTAs resident per SM the kernels are compiled for: 3 of 128 threads (168 registers each); else
+// as many as 128 registers a thread allow (2 of 256 threads, 1 of 512: the two accumulator sets
+// would otherwise take 143 and leave fewer).
+template <class L>
+inline constexpr int kMinCtasPerSm = L::kThreads == 128 ? 3 : 65536 / (L::kThreads * 128);
 
-template <class L, Form kForm>
-__global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
+template <class L>
+__global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
     PagedMqaLogitsKernel(const PagedParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
@@ -559,9 +445,8 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, t0 + s);
   }
 
-  Query<L, UsesWgmma(kForm)> query;
-  query.Load(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim, smem + kSmemBytes, group,
-             lane, L::kRows);
+  const uint64_t query = LoadQuery<L>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
+                                     smem + kSmemBytes, group, L::kRows);
   HeadWeights<L> hw;
   LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
                      L::kRows);
@@ -573,7 +458,7 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
   const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
   __syncthreads();  // the barriers are initialised (and the query operand stored)
 
-  RunTiles<L, kForm>(
+  RunTiles<L>(
       query, smem, full, num_loads, mtile, lane, hw,
       [&](int i, const uint8_t* page, float value) {
         const int key = (t0 + i) * kTileKeys + key_in_tile;
@@ -590,13 +475,13 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
 
 // ---- prefill: ragged logits ---------------------------------------------------------------------
 
-// Query columns (row, head) per CTA of the ragged kernel: 256 in the overlapped form (its binding,
-// kernels/sm90_indexer_logits.py, sizes the grid by the same numbers).
-template <Form kForm>
-inline constexpr int kRaggedColumns = kForm == Form::kWgmmaOverlap ? 256 : 128;
+// Query columns (row, head) per CTA of the ragged kernel: 4 rows of 64 heads or 8 of 32, so that
+// each key tile brought from L2 serves that many rows (its binding,
+// kernels/sm90_indexer_logits.py, sizes the grid by the same number).
+inline constexpr int kRaggedColumns = 256;
 
-template <class L, Form kForm>
-__global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
+template <class L>
+__global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
     RaggedMqaLogitsKernel(const RaggedParams p) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
@@ -652,9 +537,8 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, load_begin + s);
   }
 
-  Query<L, UsesWgmma(kForm)> query;
-  query.Load(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim, smem + kSmemBytes, group,
-             lane, valid_rows);
+  const uint64_t query = LoadQuery<L>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
+                                     smem + kSmemBytes, group, valid_rows);
   HeadWeights<L> hw;
   LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
                      valid_rows);
@@ -666,25 +550,20 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L, kForm>))
   const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
   __syncthreads();  // the barriers are initialised (and the query operand stored)
 
-  // The key scales come from global memory (the stages hold only values). The overlapped form
-  // loads each tile's one tile ahead, so that its latency hides behind a tile's work instead of
-  // stalling the epilogue; the others load it in the epilogue.
+  // The key scales come from global memory (the stages hold only values), each tile's loaded one
+  // tile ahead, so that its latency hides behind a tile's work instead of stalling the epilogue.
   auto load_scale = [&](int i) {
     const int key = (load_begin + i) * kTileKeys + key_in_tile;
     return stores && key < num_keys ? __ldg(p.key_scale + key) : 0.0f;
   };
-  constexpr bool kScaleAhead = kForm == Form::kWgmmaOverlap;
-  float next_scale = kScaleAhead ? load_scale(0) : 0.0f;
-  RunTiles<L, kForm>(
+  float next_scale = load_scale(0);
+  RunTiles<L>(
       query, smem, full, num_loads, mtile, lane, hw,
       [&](int i, const uint8_t*, float value) {
         const int key = (load_begin + i) * kTileKeys + key_in_tile;
-        float scale = next_scale;
-        if constexpr (kScaleAhead) {
-          if (i + 1 < num_loads) next_scale = load_scale(i + 1);
-        }
+        const float scale = next_scale;
+        if (i + 1 < num_loads) next_scale = load_scale(i + 1);
         if (stores && key < num_keys) {
-          if constexpr (!kScaleAhead) scale = __ldg(p.key_scale + key);
           out[static_cast<int64_t>(row) * num_keys + key] =
               key >= start && key < end ? value * scale : NegativeInfinity();
         }

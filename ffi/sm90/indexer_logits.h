@@ -11,9 +11,3 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits);
 // fp8_mqa_logits (prefill): q [M, H, 128] e4m3, keys [N, 128] e4m3, key scales [N] f32, weights
 // [M, H] f32, row_starts / row_ends [M] i32 -> logits [M, N] f32 (-inf outside [start, end)).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits);
-// The same two ops on warpgroup MMAs (native e4m3 on SM90).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsWgmma);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsWgmma);
-// The same two ops on warpgroup MMAs with each tile's epilogue overlapping the next tile's MMAs.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogitsOverlap);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsOverlap);

@@ -8,35 +8,22 @@ fp32 accumulation inside each row's range and -inf everywhere else.
   paged   one CTA per (request, chunk of `tiles_per_cta` 64-token cache blocks); every block is one
           8448-byte page (values, then scales) brought by one bulk copy into an 8-stage ring;
           columns past the request's length are written -inf without reading any key.
-  ragged  one CTA per (2 rows of 64 heads or 4 rows of 32, chunk of 64-key tiles); only the tiles
-          that meet the union of the rows' ranges are read.
+  ragged  one CTA per (4 rows of 64 heads or 8 of 32, chunk of 64-key tiles); only the tiles that
+          meet the union of the rows' ranges are read, and each serves all the CTA's rows.
 
-Both run tensor-core MMAs (mma.sync m16n8k32 e4m3, keys x query columns) with the query bytes and
-head weights in registers, the head sum in registers and shuffles, and fp32 stores straight to the
-output. next_n of 1 and 2 run natively; larger next_n is flattened here into next_n = 1 rows (each
-row its own length and a copy of its request's block-table row; keys are then read once per row).
+Both run warpgroup MMAs (wgmma m64 n(32 or 64) k32, e4m3 natively), keys from registers and the
+query columns from shared memory, and each warpgroup issues tile i + 1's MMAs before it runs tile
+i's epilogue (relu, head weights, the head sum in registers and shuffles, fp32 stores straight to
+the output), so that the tensor cores work meanwhile. next_n of 1 and 2 run natively; larger next_n
+is flattened here into next_n = 1 rows (each row its own length and a copy of its request's
+block-table row; keys are then read once per row).
 
-Both passed their GPU tests on an H200 (tests/kernels/test_sm90_indexer_logits_gpu.py, memcheck and
-command buffers included): implementation="auto" runs them on SM90.
-
-The warpgroup-MMA form (kernel name "sm90_mqa_logits_wgmma", the same kernels compiled with
-kWgmma): each group of 4 warps issues wgmma m64 n(32 or 64) k32 e4m3 with the keys as A from the
-registers the mma.sync form already loads and the query columns as B from shared memory, which
-Hopper runs natively instead of converting to f16. It passed the same GPU tests on an H100 and
-measured faster than the mma.sync form at every benchmarked shape (docs/indexer.md): "auto" prefers
-it where it fits.
-
-The overlapped form (kernel name "sm90_mqa_logits_overlap", the kernels compiled with
-Form::kWgmmaOverlap): the same MMAs, with each warpgroup issuing tile i + 1's before it runs tile i's
-epilogue, so that the tensor cores work while it applies relu, the head weights and the sums; its
-ragged CTAs take 4 rows of 64 heads (8 of 32), each key tile serving twice the rows. Registered
-first and with validated=False until it has passed its GPU tests: neither "auto" nor "native" runs
-it; by name only (the GPU tests, bench_indexer.py's "overlap" backend).
+They passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_logits_gpu.py, racecheck
+and command buffers included) and measured faster than every earlier form of them at every
+benchmarked shape (docs/kernels/sm90-indexer.md): implementation="auto" runs them on SM90.
 """
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,12 +33,8 @@ from . import native, registry
 
 PAGED_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits"
 RAGGED_TARGET = "jax_sparse_mla_sm90_mqa_logits"
-PAGED_WGMMA_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits_wgmma"
-RAGGED_WGMMA_TARGET = "jax_sparse_mla_sm90_mqa_logits_wgmma"
-PAGED_OVERLAP_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits_overlap"
-RAGGED_OVERLAP_TARGET = "jax_sparse_mla_sm90_mqa_logits_overlap"
-# Query columns (row, head) per CTA of each ragged kernel (kRaggedColumns in indexer_logits.cuh).
-RAGGED_COLUMNS = {RAGGED_TARGET: 128, RAGGED_WGMMA_TARGET: 128, RAGGED_OVERLAP_TARGET: 256}
+# Query columns (row, head) per CTA of the ragged kernel (kRaggedColumns in indexer_logits.cuh).
+RAGGED_COLUMNS = 256
 # Must match ffi/sm90/indexer_logits.cuh / .cu.
 TILE_KEYS = 64
 MAX_TILES_PER_CTA = 16
@@ -89,8 +72,7 @@ def tiles_per_cta(num_ctas_at_one_tile: int, num_tiles: int, sm_count: int) -> i
     return best_tiles
 
 
-def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_context_len,
-                  target=PAGED_TARGET):
+def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_context_len):
     """fp8_paged_mqa_logits' kernel contract (ops/indexer.py): q [B, next_n, H, 128] e4m3,
     index_cache uint8 [num_blocks, 64, 132], weights [B * next_n, H] f32, context_lens [B] i32,
     block_table [B, W] i32 -> [B * next_n, max_context_len] f32."""
@@ -107,25 +89,25 @@ def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_con
         batch, next_n = rows, 1
     num_tiles = -(-max_context_len // TILE_KEYS)
     call = jax.ffi.ffi_call(
-        target, jax.ShapeDtypeStruct((rows, max_context_len), jnp.float32),
+        PAGED_TARGET, jax.ShapeDtypeStruct((rows, max_context_len), jnp.float32),
         vmap_method="sequential")
     return call(q, index_cache, weights, context_lens, block_table,
                 tiles_per_cta=np.int64(tiles_per_cta(batch, num_tiles, _sm_count())))
 
 
-def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends, *, target=RAGGED_TARGET):
+def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends):
     """fp8_mqa_logits' kernel contract: q [M, H, 128] e4m3, k_fp8 [N, 128] e4m3, k_scale [N] f32,
     weights [M, H] f32, row_starts / row_ends [M] i32 -> [M, N] f32."""
     num_rows, num_heads, _ = q.shape
     num_keys = k_fp8.shape[0]
     if num_rows == 0 or num_keys == 0:
         return jnp.full((num_rows, num_keys), -jnp.inf, jnp.float32)
-    rows_per_cta = RAGGED_COLUMNS[target] // num_heads
+    rows_per_cta = RAGGED_COLUMNS // num_heads
     num_tiles = -(-num_keys // TILE_KEYS)
     tiles = tiles_per_cta(-(-num_rows // rows_per_cta), num_tiles, _sm_count())
     tiles = max(tiles, -(-num_tiles // MAX_GRID_Y))  # at most 65535 key chunks (grid y)
     call = jax.ffi.ffi_call(
-        target, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),
+        RAGGED_TARGET, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),
         vmap_method="sequential")
     return call(q, k_fp8, k_scale, weights, row_starts, row_ends, tiles_per_cta=np.int64(tiles))
 
@@ -141,10 +123,9 @@ def _common_reason(problem: registry.IndexerProblem, capability, target: str) ->
     return None
 
 
-def check_paged(problem: registry.IndexerProblem, capability=None, *,
-                target: str = PAGED_TARGET) -> str | None:
-    """Why the SM90 paged-logits kernel (FFI `target`) cannot run `problem` (None when it can)."""
-    reason = _common_reason(problem, capability, target)
+def check_paged(problem: registry.IndexerProblem, capability=None) -> str | None:
+    """Why the SM90 paged-logits kernel cannot run `problem` (None when it can)."""
+    reason = _common_reason(problem, capability, PAGED_TARGET)
     if reason is not None:
         return reason
     if problem.block_size != TILE_KEYS:
@@ -162,10 +143,9 @@ def check_paged(problem: registry.IndexerProblem, capability=None, *,
     return None
 
 
-def check_ragged(problem: registry.IndexerProblem, capability=None, *,
-                 target: str = RAGGED_TARGET) -> str | None:
-    """Why the SM90 ragged-logits kernel (FFI `target`) cannot run `problem` (None when it can)."""
-    reason = _common_reason(problem, capability, target)
+def check_ragged(problem: registry.IndexerProblem, capability=None) -> str | None:
+    """Why the SM90 ragged-logits kernel cannot run `problem` (None when it can)."""
+    reason = _common_reason(problem, capability, RAGGED_TARGET)
     if reason is not None:
         return reason
     expected = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
@@ -176,21 +156,13 @@ def check_ragged(problem: registry.IndexerProblem, capability=None, *,
     return None
 
 
-def _register(name: str, paged_target: str, ragged_target: str, *, validated: bool = True) -> None:
+def _register() -> None:
     for op, fn, check, target in (
-            ("fp8_paged_mqa_logits", _paged_native, check_paged, paged_target),
-            ("fp8_mqa_logits", _ragged_native, check_ragged, ragged_target)):
+            ("fp8_paged_mqa_logits", _paged_native, check_paged, PAGED_TARGET),
+            ("fp8_mqa_logits", _ragged_native, check_ragged, RAGGED_TARGET)):
         registry.register_op_kernel(registry.OpKernel(
-            op=op, name=name, native=True, capability_majors=(9,),
-            fn=functools.partial(fn, target=target),
-            available=lambda target=target: native.has_target(target),
-            check=functools.partial(check, target=target), validated=validated))
+            op=op, name="sm90_mqa_logits", native=True, capability_majors=(9,), fn=fn,
+            available=lambda target=target: native.has_target(target), check=check))
 
 
-# The wgmma form with each tile's epilogue overlapping the next tile's MMAs: not yet run on a GPU,
-# so unvalidated ("auto" passes over it) and registered first, so that "native" prefers the forms
-# below, which fit wherever it does: it runs by name only until its GPU tests pass.
-_register("sm90_mqa_logits_overlap", PAGED_OVERLAP_TARGET, RAGGED_OVERLAP_TARGET, validated=False)
-_register("sm90_mqa_logits", PAGED_TARGET, RAGGED_TARGET)
-# Registered later, so it is preferred where it fits.
-_register("sm90_mqa_logits_wgmma", PAGED_WGMMA_TARGET, RAGGED_WGMMA_TARGET)
+_register()

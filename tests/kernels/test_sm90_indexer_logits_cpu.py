@@ -1,8 +1,7 @@
 """CPU tests of the SM90 indexer logits binding (kernels/sm90_indexer_logits.py): its problem
-checks, its work split, its registration ("auto" and "native" on an SM90 device select the
-mma.sync form; both prefer the warpgroup-MMA form where the extension has it; neither runs the
-overlapped form, which runs by name until it is validated) and, with the extension built, that all
-six targets are registered as command-buffer compatible. The extension tests skip when it is not importable;
+checks, its work split, its registration ("auto" and "native" on an SM90 device select it) and,
+with the extension built, that both targets are registered as command-buffer compatible. The
+extension tests skip when it is not importable;
 JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
 """
 
@@ -19,8 +18,6 @@ from jax_sparse_mla.kernels.registry import IndexerProblem
 from requirements import require_native
 
 TARGETS = {logits.PAGED_TARGET, logits.RAGGED_TARGET}
-WGMMA_TARGETS = {logits.PAGED_WGMMA_TARGET, logits.RAGGED_WGMMA_TARGET}
-OVERLAP_TARGETS = {logits.PAGED_OVERLAP_TARGET, logits.RAGGED_OVERLAP_TARGET}
 PAGED_DTYPES = ("float8_e4m3fn", "uint8", "float32", "int32", "int32")
 RAGGED_DTYPES = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
 
@@ -112,39 +109,16 @@ def test_tiles_per_cta_fills_whole_waves_at_the_decode_points():
                                         ("fp8_mqa_logits", ragged())])
 def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
     kernels = {k.name: k for k in registry.registered_op_kernels(op) if k.native}
-    assert set(kernels) == {"sm90_mqa_logits", "sm90_mqa_logits_wgmma", "sm90_mqa_logits_overlap"}
-    assert kernels["sm90_mqa_logits"].validated and kernels["sm90_mqa_logits_wgmma"].validated
-    assert not kernels["sm90_mqa_logits_overlap"].validated
-    assert all(k.capability_majors == (9,) for k in kernels.values())
+    assert set(kernels) == {"sm90_mqa_logits"}
+    assert kernels["sm90_mqa_logits"].validated
+    assert kernels["sm90_mqa_logits"].capability_majors == (9,)
     assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
-    # The faked extension has only the mma.sync targets.
     assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits"
     assert registry.select_op_kernel(op, "xla", problem).name == "xla"
 
 
-@pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
-                                        ("fp8_mqa_logits", ragged())])
-def test_native_and_auto_prefer_the_wgmma_form(fake_sm90, monkeypatch, op, problem):
-    monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS))
-    assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_wgmma"
-    assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits_wgmma"
-
-
-@pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
-                                        ("fp8_mqa_logits", ragged())])
-def test_the_overlapped_form_runs_only_by_name(fake_sm90, monkeypatch, op, problem):
-    """Registered unvalidated and before the other forms: with its targets present, neither "auto"
-    nor "native" selects it (a kernel native can run must have passed racecheck on the GPU)."""
-    monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS | OVERLAP_TARGETS))
-    overlap = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_mqa_logits_overlap"]
-    assert len(overlap) == 1 and not overlap[0].validated and overlap[0].available()
-    assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits_wgmma"
-    assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits_wgmma"
-
-
-def test_the_wgmma_form_lowers_to_its_targets(fake_sm90, monkeypatch):
+def test_the_ops_lower_to_the_targets(fake_sm90):
     import jax
-    monkeypatch.setattr(native, "targets", frozenset(TARGETS | WGMMA_TARGETS))
     q = jax.ShapeDtypeStruct((2, 1, 64, 128), jnp.float8_e4m3fn)
     cache = jax.ShapeDtypeStruct((4, 64, 132), jnp.uint8)
     weights = jax.ShapeDtypeStruct((2, 64), jnp.float32)
@@ -153,17 +127,17 @@ def test_the_wgmma_form_lowers_to_its_targets(fake_sm90, monkeypatch):
     text = jax.jit(lambda *a: jsm.fp8_paged_mqa_logits(*a, max_context_len=256,
                                                        implementation="native")
                    ).lower(q, cache, weights, lens, table).as_text()
-    assert f"@{logits.PAGED_WGMMA_TARGET}(" in text
+    assert f"@{logits.PAGED_TARGET}(" in text
     text = jax.jit(lambda *a: jsm.fp8_paged_mqa_logits(*a, max_context_len=256)
                    ).lower(q, cache, weights, lens, table).as_text()
-    assert f"@{logits.PAGED_WGMMA_TARGET}(" in text  # auto runs it too
+    assert f"@{logits.PAGED_TARGET}(" in text  # auto runs it too
     qr = jax.ShapeDtypeStruct((5, 64, 128), jnp.float8_e4m3fn)
     keys = jax.ShapeDtypeStruct((300, 128), jnp.float8_e4m3fn)
     rows = jax.ShapeDtypeStruct((5,), jnp.int32)
     text = jax.jit(lambda *a: jsm.fp8_mqa_logits(*a, implementation="native")).lower(
         qr, keys, jax.ShapeDtypeStruct((300,), jnp.float32),
         jax.ShapeDtypeStruct((5, 64), jnp.float32), rows, rows).as_text()
-    assert f"@{logits.RAGGED_WGMMA_TARGET}(" in text
+    assert f"@{logits.RAGGED_TARGET}(" in text
 
 
 def test_native_explains_a_rejected_problem(fake_sm90):
@@ -194,25 +168,20 @@ def test_extension_registers_the_logits_targets_as_graph_safe():
     module = require_native()
     if "sm90" not in module.build_info():
         pytest.skip("the extension was built without the sm90 family")
-    every = TARGETS | WGMMA_TARGETS | OVERLAP_TARGETS
-    assert every <= set(module.registrations())
-    assert every <= set(module.command_buffer_targets())
-    assert all(native.has_target(t) for t in every)
+    assert TARGETS <= set(module.registrations())
+    assert TARGETS <= set(module.command_buffer_targets())
+    assert all(native.has_target(t) for t in TARGETS)
 
 
-@pytest.mark.parametrize("target,heads,rows_per_cta", [
-    (logits.RAGGED_WGMMA_TARGET, 64, 2), (logits.RAGGED_WGMMA_TARGET, 32, 4),
-    (logits.RAGGED_OVERLAP_TARGET, 64, 4), (logits.RAGGED_OVERLAP_TARGET, 32, 8),
-])
-def test_ragged_grid_counts_the_kernels_rows_per_cta(fake_sm90, monkeypatch, target, heads,
-                                                     rows_per_cta):
+@pytest.mark.parametrize("heads,rows_per_cta", [(64, 4), (32, 8)])
+def test_ragged_grid_counts_the_kernels_rows_per_cta(fake_sm90, monkeypatch, heads, rows_per_cta):
     """The binding sizes the work split by the CTAs the handler launches: ceil(M / rows per CTA),
-    the rows of 128 query columns (256 in the overlapped form)."""
+    the rows of 256 query columns."""
     import jax
     seen = []
     monkeypatch.setattr(logits, "tiles_per_cta", lambda ctas, tiles, sms: seen.append(ctas) or 1)
     num_rows = 37
-    jax.eval_shape(lambda *a: logits._ragged_native(*a, target=target),
+    jax.eval_shape(lambda *a: logits._ragged_native(*a),
                    jax.ShapeDtypeStruct((num_rows, heads, 128), jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((300, 128), jnp.float8_e4m3fn),
                    jax.ShapeDtypeStruct((300,), jnp.float32),

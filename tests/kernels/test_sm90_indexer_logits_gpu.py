@@ -1,9 +1,8 @@
-"""GPU tests of the SM90 indexer logits kernels (ffi/sm90/indexer_logits.cuh, the mma.sync, the
-warpgroup-MMA and the overlapped warpgroup-MMA forms) behind fp8_paged_mqa_logits / fp8_mqa_logits.
+"""GPU tests of the SM90 indexer logits kernels (ffi/sm90/indexer_logits.cuh) behind
+fp8_paged_mqa_logits / fp8_mqa_logits.
 
-Each case runs each form (KERNELS, called through its registered binding, since
-implementation="native" picks only the preferred one) and compares the result with the pure-JAX
-path (implementation="xla") on the same fp8 inputs over the whole output, and with a float64 NumPy
+Each case runs the kernel (implementation="native") and compares the result with the pure-JAX path
+(implementation="xla") on the same fp8 inputs over the whole output, and with a float64 NumPy
 reference on sampled columns of every row:
   - the -inf masks are identical and equal to the contract's (col < L - next_n + j + 1 for decode,
     start <= col < end for prefill), and no valid entry is NaN or infinite;
@@ -32,7 +31,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import registry, sm90_indexer_logits
+from jax_sparse_mla.kernels import sm90_indexer_logits
 from gpu_subprocess import assert_matches_inside_command_buffers, assert_sanitizer_clean
 from requirements import gpu_test_marks, sm90_skip_reason
 
@@ -41,20 +40,8 @@ BLOCK = 64
 PAGE = BLOCK * 132
 
 
-SKIP_REASON = sm90_skip_reason(
-    sm90_indexer_logits.PAGED_TARGET, sm90_indexer_logits.RAGGED_TARGET,
-    sm90_indexer_logits.PAGED_WGMMA_TARGET, sm90_indexer_logits.RAGGED_WGMMA_TARGET,
-    sm90_indexer_logits.PAGED_OVERLAP_TARGET, sm90_indexer_logits.RAGGED_OVERLAP_TARGET)
+SKIP_REASON = sm90_skip_reason(sm90_indexer_logits.PAGED_TARGET, sm90_indexer_logits.RAGGED_TARGET)
 pytestmark = gpu_test_marks(SKIP_REASON, "the SM90 indexer-logits tests")
-
-KERNELS = ("sm90_mqa_logits", "sm90_mqa_logits_wgmma", "sm90_mqa_logits_overlap")
-
-
-def kernel_fn(op: str, name: str):
-    """The registered native kernel `name` of `op`: its binding takes the public function's
-    checked arguments."""
-    return next(k for k in registry.registered_op_kernels(op) if k.name == name).fn
-
 
 def calc_diff(x: np.ndarray, y: np.ndarray) -> float:
     x, y = x.astype(np.float64), y.astype(np.float64)
@@ -145,15 +132,15 @@ def check_against_references(out, ref_out, exact_at, magnitude_at, positions, ex
         assert (error <= bound).all(), float((error / bound).max())
 
 
-def check_paged(batch, next_n, heads, lengths, max_context_len, kernel, seed=0, jit=False):
+def check_paged(batch, next_n, heads, lengths, max_context_len, seed=0, jit=False):
     rng = np.random.default_rng(seed)
     q, cache, weights, lengths, table = make_paged(rng, batch, next_n, heads, lengths,
                                                    max_context_len)
     args = (jnp.asarray(q), jnp.asarray(cache), jnp.asarray(weights), jnp.asarray(lengths),
             jnp.asarray(table))
 
-    native_fn = functools.partial(kernel_fn("fp8_paged_mqa_logits", kernel),
-                                  max_context_len=max_context_len)
+    native_fn = functools.partial(jsm.fp8_paged_mqa_logits, max_context_len=max_context_len,
+                                  implementation="native")
     out = (jax.jit(native_fn) if jit else native_fn)(*args)
     ref_out = jsm.fp8_paged_mqa_logits(*args, max_context_len=max_context_len,
                                        implementation="xla")
@@ -194,16 +181,14 @@ def lengths_for(spec, batch, seed):
     return spec
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("batch,next_n,heads,lengths,max_context_len", PAGED_GRID)
-def test_paged_matches_references(batch, next_n, heads, lengths, max_context_len, kernel):
-    check_paged(batch, next_n, heads, lengths_for(lengths, batch, batch), max_context_len, kernel)
+def test_paged_matches_references(batch, next_n, heads, lengths, max_context_len):
+    check_paged(batch, next_n, heads, lengths_for(lengths, batch, batch), max_context_len)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("next_n,heads", [(1, 64), (2, 32), (3, 64)])
-def test_paged_under_jit(next_n, heads, kernel):
-    check_paged(9, next_n, heads, [0, 1, 2, 63, 64, 65, 500, 1000, 1024], 1024, kernel, seed=3,
+def test_paged_under_jit(next_n, heads):
+    check_paged(9, next_n, heads, [0, 1, 2, 63, 64, 65, 500, 1000, 1024], 1024, seed=3,
                 jit=True)
 
 
@@ -213,8 +198,7 @@ def test_paged_lowers_to_the_custom_call():
     fn = jax.jit(functools.partial(jsm.fp8_paged_mqa_logits, max_context_len=128,
                                    implementation="native"))
     text = fn.lower(q, cache, weights, lengths, table).as_text()
-    # implementation="native" prefers the warpgroup-MMA form.
-    assert f"@{sm90_indexer_logits.PAGED_WGMMA_TARGET}(" in text
+    assert f"@{sm90_indexer_logits.PAGED_TARGET}(" in text
 
 
 def test_paged_lengths_past_the_width_under_jit_are_cut():
@@ -279,13 +263,13 @@ def ragged_reference(q, k, k_scale, weights, positions):
             scale * (np.abs(w) * np.abs(products).sum(-1)).sum(-1))
 
 
-def check_ragged(num_rows, num_keys, heads, kind, kernel, seed=0, jit=False):
+def check_ragged(num_rows, num_keys, heads, kind, seed=0, jit=False):
     rng = np.random.default_rng(seed + num_rows + num_keys)
     q, k, k_scale, weights, starts, ends = make_ragged(
         rng, num_rows, num_keys, heads, ranges_for(kind, rng, num_rows, num_keys))
     args = tuple(jnp.asarray(x) for x in (q, k, k_scale, weights, starts, ends))
 
-    native_fn = kernel_fn("fp8_mqa_logits", kernel)
+    native_fn = functools.partial(jsm.fp8_mqa_logits, implementation="native")
     out = (jax.jit(native_fn) if jit else native_fn)(*args)
     ref_out = jsm.fp8_mqa_logits(*args, implementation="xla")
     columns = np.arange(num_keys)[None, :]
@@ -315,39 +299,35 @@ RAGGED_GRID = [
 ]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("num_rows,num_keys,heads,kind", RAGGED_GRID)
-def test_ragged_matches_references(num_rows, num_keys, heads, kind, kernel):
-    check_ragged(num_rows, num_keys, heads, kind, kernel)
+def test_ragged_matches_references(num_rows, num_keys, heads, kind):
+    check_ragged(num_rows, num_keys, heads, kind)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("heads", [32, 64])
-def test_ragged_under_jit(heads, kernel):
-    check_ragged(41, 700, heads, "random", kernel, seed=4, jit=True)
+def test_ragged_under_jit(heads):
+    check_ragged(41, 700, heads, "random", seed=4, jit=True)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("tiles", [1, 2, 3, 4, 5, 7])
-def test_every_count_of_tiles_per_cta(tiles, kernel, monkeypatch):
+def test_every_count_of_tiles_per_cta(tiles, monkeypatch):
     """CTAs of 1 to 7 tiles, and chunks cut short by a request's length or the row ranges: the
-    overlapped form runs a CTA's tiles two at a time and peels the last one or two."""
+    kernels run a CTA's tiles two at a time and peel the last one or two."""
     monkeypatch.setattr(sm90_indexer_logits, "tiles_per_cta", lambda *_: tiles)
-    check_paged(3, 1, 64, [1000, 448, 1], 1024, kernel, seed=tiles)
-    check_paged(2, 2, 32, [1000, 200], 1024, kernel, seed=tiles)
-    check_ragged(9, 1000, 64, "causal", kernel, seed=tiles)
-    check_ragged(11, 900, 32, "random", kernel, seed=tiles)
+    check_paged(3, 1, 64, [1000, 448, 1], 1024, seed=tiles)
+    check_paged(2, 2, 32, [1000, 200], 1024, seed=tiles)
+    check_ragged(9, 1000, 64, "causal", seed=tiles)
+    check_ragged(11, 900, 32, "random", seed=tiles)
 
 
 # --- compute-sanitizer ----------------------------------------------------------------------------
 
 MEMCHECK_SCRIPT = textwrap.dedent("""
     import test_sm90_indexer_logits_gpu as cases
-    for kernel in cases.KERNELS:
-        for shape in cases.MEMCHECK_PAGED:
-            cases.check_paged(*shape, kernel)
-        for shape in cases.MEMCHECK_RAGGED:
-            cases.check_ragged(*shape, kernel)
+    for shape in cases.MEMCHECK_PAGED:
+        cases.check_paged(*shape)
+    for shape in cases.MEMCHECK_RAGGED:
+        cases.check_ragged(*shape)
     print("MEMCHECK GRID PASSED")
 """)
 MEMCHECK_PAGED = [(3, 2, 64, [0, 1, 130], 192), (4, 1, 32, [64, 65, 3, 256], 256),
@@ -394,7 +374,7 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     native, reference = loop("native"), loop("xla")
     close = all(cases.calc_diff(np.asarray(x), np.asarray(y)) < 1e-3
                 for x, y in zip(native, reference))
-    targets = (logits.PAGED_WGMMA_TARGET, logits.RAGGED_WGMMA_TARGET)
+    targets = (logits.PAGED_TARGET, logits.RAGGED_TARGET)
     from gpu_subprocess import custom_calls_in_command_buffers
     custom_calls, captured, _ = custom_calls_in_command_buffers(sys.argv[1], targets)
     print("RESULT", close, custom_calls, captured)
@@ -402,6 +382,6 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
 
 
 def test_under_command_buffers(tmp_path):
-    """The handlers claim kCmdBufferCompatible: run the preferred (native) form of both ops inside
-    XLA command buffers, against pure JAX."""
+    """The handlers claim kCmdBufferCompatible: run both ops (native) inside XLA command buffers,
+    against pure JAX."""
     assert_matches_inside_command_buffers(COMMAND_BUFFER_SCRIPT, tmp_path)

@@ -1,5 +1,5 @@
-"""A per-lane NumPy model of the warpgroup-MMA form of the SM90 indexer logits
-(ffi/sm90/indexer_logits.cuh: StoreQueryOperand, LoadKeyFragment, TileHeadSumsWgmma), run on CPU.
+"""A per-lane NumPy model of the SM90 indexer logits' warpgroup MMAs
+(ffi/sm90/indexer_logits.cuh: StoreQueryOperand, LoadKeyFragment, WgmmaTile), run on CPU.
 
 The model moves bytes exactly as the kernel does and combines them exactly as PTX defines the
 instruction: `wgmma.mma_async.m64nNk32.f32.e4m3.e4m3` with A from registers (per warp the m16n8k32
@@ -114,15 +114,15 @@ def test_a_wrong_word_order_is_caught():
     assert not np.array_equal(wgmma_register_a(64, plain, tile), tile @ query.T)
 
 
-def test_accumulator_layout_is_the_mma_sync_layout():
+def test_accumulator_layout_is_the_one_head_sums_reads():
     """wgmma's f32 accumulator i of lane (g, t) in warp w is (row 16 w + g + 8 ((i / 2) % 2),
-    column 8 (i / 4) + 2 t + i % 2); HeadSums reads acc[n][j] = element 4 n + j as the m16n8
-    layout: (key 16 w + g + 8 (j / 2), column 8 n + 2 t + j % 2). The same map."""
+    column 8 (i / 4) + 2 t + i % 2); HeadSums reads acc[n][j] = element 4 n + j as (key 16 w + g +
+    8 (j / 2), column 8 n + 2 t + j % 2): the m16n8 layout, the same map."""
     for warp in range(4):
         for lane in range(32):
             g, t = lane // 4, lane % 4
             for i in range(32):
                 wgmma = (16 * warp + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * t + i % 2)
                 n, j = divmod(i, 4)
-                mma_sync = (16 * warp + g + 8 * (j // 2), 8 * n + 2 * t + j % 2)
-                assert wgmma == mma_sync
+                head_sums = (16 * warp + g + 8 * (j // 2), 8 * n + 2 * t + j % 2)
+                assert wgmma == head_sums

@@ -1,5 +1,5 @@
-"""A model of the overlapped logits form's tile loop (RunTiles, Form::kWgmmaOverlap, in
-ffi/sm90/indexer_logits.cuh), checked on CPU before the GPU runs it: for every count of tiles a CTA
+"""A model of the SM90 logits kernels' tile loop (RunTiles in ffi/sm90/indexer_logits.cuh), checked
+on CPU: for every count of tiles a CTA
 loads, the loop as written (two accumulator sets, one set of key fragments, the last one or two
 tiles peeled) issues every tile's MMAs once and in order, finishes every tile once and in order,
 reads a tile's accumulators only after a wait retired its MMAs, reloads the key fragments only when
@@ -42,7 +42,7 @@ class Warpgroup:
 
 
 def overlapped_loop(num_loads: int) -> Warpgroup:
-    """RunTiles' kWgmmaOverlap branch, statement for statement."""
+    """RunTiles, statement for statement."""
     wg = Warpgroup()
     wg.issue(0, "even")
     i = 0
