@@ -16,23 +16,21 @@ compaction keeps every key above the threshold and the lowest-positioned ties, w
 position at its prefix-sum rank: ascending positions, deterministic, no sort. Rows are read as
 aligned float4 groups whatever the row start.
 
-The one-CTA kernels passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_topk_gpu.py,
-memcheck, racecheck and command buffers included): implementation="auto" runs them on SM90.
+The one-CTA kernel comes in two builds. The register build ("sm90_topk", two CTAs per SM) loads
+each thread's groups into registers; the streaming build ("sm90_topk_stream", one CTA per SM) has
+each warp stream its slice of the row through two 4 KB stages of shared memory filled by the copy
+engine (cp.async.bulk), so that 64 KB per CTA are in flight while the warps count or gather. The
+cluster form (`ffi/sm90/indexer_topk_cluster.cuh`, "sm90_topk_cluster") gives the same array with
+one row spread over a thread-block cluster of up to 8 CTAs, the row read once into shared memory
+and every pass run there (rows of at most MAX_CLUSTER_WIDTH positions).
 
-The cluster form (`ffi/sm90/indexer_topk_cluster.cuh`, kernel name "sm90_topk_cluster") gives the
-same array with one row spread over a thread-block cluster of up to 8 CTAs, the row read once into
-shared memory and every pass run there (rows of at most MAX_CLUSTER_WIDTH positions). It passed the
-same GPU tests on an H100 and is preferred by "native" wherever it fits. "auto" runs it only where
-it measured faster (`cluster_slower_here`): rows wider than ONE_CTA_MAX_WIDTH positions whose
-clusters fit one wave (few rows: decode at small batch); the one-CTA kernel everywhere else
-(short rows, large batches, prefill). The numbers are in docs/kernels/sm90-indexer.md.
-
-The streaming one-CTA form (kernel name "sm90_topk_stream"): the same kernel built for one CTA per
-SM, each warp streaming its slice of the row through two 4 KB stages of shared memory filled by the
-copy engine (cp.async.bulk) instead of loading it into registers, at every row count so that it can
-be compared with the register build everywhere. Registered first and with validated=False until it
-has passed its GPU tests: neither "auto" nor "native" runs it; by name only (the GPU tests,
-bench_indexer.py's one_cta_stream).
+All three passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_topk_gpu.py, memcheck,
+racecheck and command buffers included). "native" prefers the cluster form wherever it fits, then
+the streaming build. "auto" runs, per shape, the one that measured fastest on an H100: the register
+build for rows of at most ONE_CTA_MAX_WIDTH positions and for more rows than SMs (prefill); the
+cluster form for wider rows, at most CLUSTER_MAX_ROWS of them, whose clusters fit one wave (decode
+at small batch); the streaming build for the other wide rows. The numbers are in
+docs/kernels/sm90-indexer.md.
 """
 
 from __future__ import annotations
@@ -61,10 +59,16 @@ MAX_CLUSTER_SIZE = 8
 CLUSTER_GROUPS_PER_CTA = 10240
 MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * CLUSTER_GROUPS_PER_CTA * 4 - 3
 MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
-# Rows this wide or narrower: "auto" runs the one-CTA kernel (device times on an H100, k = 2048,
-# bench_indexer.py's decode logits, in microseconds, one-CTA vs cluster: 1 x 8192 9.7 vs 12.7,
-# 32 x 8192 10.1 vs 20.3, 128 x 8192 10.7 vs 15.8; benchmarks/results/indexer_h100.json).
+# Rows this wide or narrower: "auto" runs the one-CTA kernel's register build (device times on an
+# H100, k = 2048, bench_indexer.py's decode logits, in microseconds, register build vs streaming
+# build vs cluster: 1 x 8192 9.6 vs 12.7 vs 12.7, 32 x 8192 9.9 vs 13.1 vs 20.3, 128 x 8192 10.6 vs
+# 14.1 vs 15.6).
 ONE_CTA_MAX_WIDTH = 8192
+# Wider rows, at most this many: "auto" runs the cluster form, where it fits one wave; more rows run
+# the streaming build (one H100, one run, µs, cluster vs streaming build: 8 x 65536 21.4 vs 32.8,
+# 16 x 65536 32.7 vs 32.0, 32 x 65536 36.9 vs 33.1; 16 x 131072 41.9 vs 43.7, 32 x 131072 57.5 vs
+# 47.6).
+CLUSTER_MAX_ROWS = 16
 
 
 def min_cluster_size(width: int) -> int:
@@ -117,17 +121,33 @@ def check_cluster_problem(problem: registry.IndexerProblem,
 
 
 def cluster_slower_here(problem: registry.IndexerProblem) -> str | None:
-    """rows of at most 8192 positions (ONE_CTA_MAX_WIDTH), and rows whose clusters need more than
-    one wave (R x min_cluster_size(S) CTAs above the SM count): where the one-CTA kernel measured
-    faster"""
+    """rows of at most 8192 positions (ONE_CTA_MAX_WIDTH), more than CLUSTER_MAX_ROWS rows, and
+    rows whose clusters need more than one wave (R x min_cluster_size(S) CTAs above the SM count):
+    where the one-CTA kernel measured faster"""
     if problem.num_keys <= ONE_CTA_MAX_WIDTH:
         return (f"rows of {problem.num_keys} <= {ONE_CTA_MAX_WIDTH} positions, where the one-CTA "
-                f"kernel measured faster (H100, 32 x 8192: 10.1 vs 20.3 us)")
+                f"kernel measured faster (H100, 32 x 8192: 9.9 vs 20.3 us)")
+    if problem.num_rows > CLUSTER_MAX_ROWS:
+        return (f"{problem.num_rows} rows > {CLUSTER_MAX_ROWS}, where the one-CTA kernel's "
+                f"streaming build measured faster (H100, 32 x 65536: 33.1 vs 36.9 us)")
     ctas = min_cluster_size(problem.num_keys)
     sm_count = registry.device_sm_count()
     if problem.num_rows * ctas > sm_count:
         return (f"{problem.num_rows} rows x {ctas} CTAs exceed one wave on {sm_count} SMs, where "
-                f"the one-CTA kernel measured faster (H100, 128 x 65536: 41.6 vs 66.3 us)")
+                f"the one-CTA kernel measured faster")
+    return None
+
+
+def stream_slower_here(problem: registry.IndexerProblem) -> str | None:
+    """rows of at most 8192 positions (ONE_CTA_MAX_WIDTH), and more rows than SMs: where the
+    register build measured faster"""
+    if problem.num_keys <= ONE_CTA_MAX_WIDTH:
+        return (f"rows of {problem.num_keys} <= {ONE_CTA_MAX_WIDTH} positions, where the register "
+                f"build measured faster (H100, 32 x 8192: 9.9 vs 13.1 us)")
+    sm_count = registry.device_sm_count()
+    if problem.num_rows > sm_count:
+        return (f"{problem.num_rows} rows exceed one CTA per SM on {sm_count} SMs, where the "
+                f"register build measured faster (H100, 256 x 65536: 64.7 vs 72.8 us)")
     return None
 
 
@@ -176,10 +196,9 @@ def _register(name: str, check, target: str, target_decode: str, slower_here=Non
         ))
 
 
-# First, so that "native" prefers the forms below it; unvalidated, so that "auto" never runs it.
-_register("sm90_topk_stream", check_problem, TARGET_STREAM, TARGET_DECODE_STREAM,
-          validated=False)
 _register("sm90_topk", check_problem, TARGET, TARGET_DECODE)
-# Registered later, so the cluster form is preferred where it fits ("auto": where it measured faster).
+# Registered later, so preferred by "native" where it fits (by "auto": where it measured faster).
+_register("sm90_topk_stream", check_problem, TARGET_STREAM, TARGET_DECODE_STREAM,
+          slower_here=stream_slower_here)
 _register("sm90_topk_cluster", check_cluster_problem, TARGET_CLUSTER, TARGET_DECODE_CLUSTER,
           slower_here=cluster_slower_here)

@@ -208,13 +208,14 @@ def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
 
 # --- the registration ------------------------------------------------------------------------------
 
-OPS = {"top_k_per_row": (topk.TARGET, topk.TARGET_CLUSTER),
-       "top_k_per_row_decode": (topk.TARGET_DECODE, topk.TARGET_DECODE_CLUSTER)}
+OPS = {"top_k_per_row": (topk.TARGET, topk.TARGET_STREAM, topk.TARGET_CLUSTER),
+       "top_k_per_row_decode": (topk.TARGET_DECODE, topk.TARGET_DECODE_STREAM,
+                                topk.TARGET_DECODE_CLUSTER)}
 
 
 @pytest.fixture
 def fake_sm90(monkeypatch):
-    """A faked SM90 device whose extension holds all four top-k targets and sm_90a code."""
+    """A faked SM90 device whose extension holds all six top-k targets and sm_90a code."""
     monkeypatch.setattr(registry, "current_device_capability", lambda: (9, 0))
     monkeypatch.setattr(native, "targets", frozenset(t for ts in OPS.values() for t in ts))
     monkeypatch.setattr(native, "module", object())
@@ -232,23 +233,42 @@ def test_registered_validated_with_a_shape_rule(op):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-@pytest.mark.parametrize("width,rows", [(2048, 1), (8192, 32), (8192, 128), (8193, 32),
-                                        (65536, 1), (65536, 66), (65536, 67), (131072, 33),
-                                        (131072, 34), (131072, 128), (327677, 16),
-                                        (327677, 17)])
-def test_auto_runs_the_cluster_for_long_rows_in_one_wave(fake_sm90, monkeypatch, op, width, rows):
-    """native prefers the cluster wherever it fits; auto only for rows wider than 8192 positions
-    whose smallest clusters fit one wave on the GPU's SMs (132 here), where it measured faster; the
-    one-CTA kernel everywhere else."""
+@pytest.mark.parametrize("width,rows", [(2048, 1), (8192, 32), (8192, 128), (8193, 1), (8193, 16),
+                                        (8193, 17), (65536, 16), (65536, 17), (65536, 132),
+                                        (65536, 133), (131072, 16), (131072, 34), (327677, 16),
+                                        (327677, 17), (327677, 200)])
+def test_auto_picks_the_form_that_measured_fastest(fake_sm90, monkeypatch, op, width, rows):
+    """native prefers the cluster wherever it fits. auto: the register build for rows of at most
+    8192 positions and for more rows than SMs (132 here); the cluster for wider rows, at most 16
+    of them, whose smallest clusters fit one wave; the streaming build for the other wide rows."""
     monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
     call = problem(op, num_keys=width, num_rows=rows)
     assert registry.select_op_kernel(op, "native", call).name == "sm90_topk_cluster"
-    one_wave = rows * topk.min_cluster_size(width) <= 132
-    want = "sm90_topk_cluster" if width > 8192 and one_wave else "sm90_topk"
+    if width <= 8192 or rows > 132:
+        want = "sm90_topk"
+    elif rows <= 16 and rows * topk.min_cluster_size(width) <= 132:
+        want = "sm90_topk_cluster"
+    else:
+        want = "sm90_topk_stream"
     assert registry.select_op_kernel(op, "auto", call).name == want
-    wide = problem(op, num_keys=topk.MAX_CLUSTER_WIDTH + 1)
-    assert registry.select_op_kernel(op, "native", wide).name == "sm90_topk"
-    assert registry.select_op_kernel(op, "auto", wide).name == "sm90_topk"
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+@pytest.mark.parametrize("rows,want", [(8, "sm90_topk_stream"), (132, "sm90_topk_stream"),
+                                       (133, "sm90_topk")])
+def test_rows_wider_than_a_cluster_run_one_cta(fake_sm90, monkeypatch, op, rows, want):
+    monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
+    wide = problem(op, num_keys=topk.MAX_CLUSTER_WIDTH + 1, num_rows=rows)
+    assert registry.select_op_kernel(op, "native", wide).name == "sm90_topk_stream"
+    assert registry.select_op_kernel(op, "auto", wide).name == want
+
+
+def test_a_cluster_wider_than_one_wave_runs_one_cta(fake_sm90, monkeypatch):
+    """16 rows of 8-CTA clusters on 100 SMs: more than one wave, so auto streams them instead."""
+    monkeypatch.setattr(registry, "device_sm_count", lambda: 100)
+    call = problem("top_k_per_row", num_keys=327677, num_rows=16)
+    assert registry.select_op_kernel("top_k_per_row", "auto", call).name == "sm90_topk_stream"
+    assert "16 rows x 8 CTAs exceed one wave on 100 SMs" in topk.cluster_slower_here(call)
 
 
 def test_min_cluster_size_is_where_the_plan_starts(plan_driver):
@@ -265,8 +285,13 @@ def test_shape_rule_says_why(monkeypatch):
     assert topk.cluster_slower_here(problem("top_k_per_row", num_keys=8193)) is None
     why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=4096))
     assert "4096 <= 8192" in why and "one-CTA kernel measured faster" in why
-    why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=128))
-    assert "128 rows x 2 CTAs exceed one wave on 132 SMs" in why
+    why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=17))
+    assert "17 rows > 16" in why and "streaming build measured faster" in why
+    assert topk.stream_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=132)) is None
+    why = topk.stream_slower_here(problem("top_k_per_row", num_keys=8192, num_rows=8))
+    assert "8192 <= 8192" in why and "register build measured faster" in why
+    why = topk.stream_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=133))
+    assert "133 rows exceed one CTA per SM on 132 SMs" in why
 
 
 @pytest.mark.parametrize("override,message", [

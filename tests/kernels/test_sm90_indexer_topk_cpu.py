@@ -94,16 +94,20 @@ def test_auto_and_native_select_it_on_sm90(fake_sm90, op):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-def test_the_streaming_form_runs_only_by_name(fake_sm90, monkeypatch, op):
-    """sm90_topk_stream is registered unvalidated and before sm90_topk: with its targets present,
-    neither "auto" nor "native" selects it."""
+def test_the_streaming_build_is_registered_validated_with_a_shape_rule(fake_sm90, monkeypatch, op):
+    """sm90_topk_stream is registered after sm90_topk: with its targets present, "native" prefers
+    it, and "auto" runs it for rows wider than 8192 positions, at most one per SM."""
     fake_sm90()
     monkeypatch.setattr(native, "targets", frozenset(OPS.values()) | frozenset(STREAM_OPS.values()))
+    monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
     stream = [k for k in registry.registered_op_kernels(op) if k.name == "sm90_topk_stream"]
-    assert len(stream) == 1 and stream[0].native and not stream[0].validated
-    assert stream[0].available()
-    assert registry.select_op_kernel(op, "auto", problem(op)).name == "sm90_topk"
-    assert registry.select_op_kernel(op, "native", problem(op)).name == "sm90_topk"
+    assert len(stream) == 1 and stream[0].native and stream[0].validated
+    assert stream[0].available() and stream[0].slower_here is topk.stream_slower_here
+    assert registry.select_op_kernel(op, "native", problem(op)).name == "sm90_topk_stream"
+    assert registry.select_op_kernel(op, "auto", problem(op)).name == "sm90_topk_stream"
+    for narrow_or_many in (dict(num_keys=8192), dict(num_rows=133)):
+        call = problem(op, **narrow_or_many)
+        assert registry.select_op_kernel(op, "auto", call).name == "sm90_topk"
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

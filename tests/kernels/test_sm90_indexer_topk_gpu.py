@@ -190,11 +190,11 @@ def check_decode(context_lens, width: int, next_n: int, k: int, kernel: str, *, 
     assert_identical(native_out, reference, (len(context_lens) * next_n, k))
 
 
-def test_native_prefers_the_cluster_form_where_it_fits():
+def test_native_prefers_the_cluster_form_where_it_fits_then_the_streaming_build():
     for op, args in (("top_k_per_row", {}), ("top_k_per_row_decode", dict(batch=4, next_n=2))):
         for width, name in ((4096, "sm90_topk_cluster"),
                             (sm90_indexer_topk.MAX_CLUSTER_WIDTH, "sm90_topk_cluster"),
-                            (sm90_indexer_topk.MAX_CLUSTER_WIDTH + 1, "sm90_topk")):
+                            (sm90_indexer_topk.MAX_CLUSTER_WIDTH + 1, "sm90_topk_stream")):
             problem = registry.IndexerProblem(op, num_rows=8, num_keys=width, top_k=2048, **args)
             assert registry.select_op_kernel(op, "native", problem).name == name
 
