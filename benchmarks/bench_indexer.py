@@ -15,10 +15,9 @@ next_n = 1, H = 64, k = 2048):
   topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
           (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to), "torch"
           (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_stream, the one-CTA
-          SM90 kernel called by name (`sm90_topk`, which "auto" keeps for rows of at most 8192
-          positions; beside "native", the cluster form, it shows where the shape rule comes from;
-          `sm90_topk_stream`, its build that streams rows through shared memory, which nothing
-          runs until it is validated)
+          SM90 kernel's two builds called by name (`sm90_topk`, the register build, and
+          `sm90_topk_stream`, the build that streams rows through shared memory): beside "native"
+          (the cluster form) they show where "auto"'s shape rule comes from
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
           "xla"
   GB/s counts the bytes the op must move at least: logits the fp8 keys, 132 bytes per cached token

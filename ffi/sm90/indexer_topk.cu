@@ -76,8 +76,8 @@ cudaError_t SmCount(int* num_sms) {
 }
 
 // One CTA per row: the register build (two CTAs per SM) or, with kStream, the streaming build (one
-// CTA per SM, the row streamed through shared memory) at every row count, so that the two can be
-// compared at every shape.
+// CTA per SM, the row streamed through shared memory), each at every row count ("auto" picks the
+// build per shape: kernels/sm90_indexer_topk.py).
 template <bool kStream>
 ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_rows,
                         cudaStream_t stream) {
