@@ -239,7 +239,14 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
             return jsm.top_k_per_row(s, starts, ends, k=TOP_K, implementation=backend)
 
         try:
-            measure_logits(backend, logits)
+            row = record.measure(f"prefill_logits {backend:9s} M={num_rows:4d} N={num_keys:6d}",
+                                 lambda: timed(timer, logits, queries, shared, PREFILL_CALLS),
+                                 logits_bytes, op="prefill_logits", backend=backend, B=1,
+                                 context=num_keys, M=num_rows)
+            row["tflops"] = flop / row["us"] / 1e6 if row["us"] else None
+            record.save()
+            if row["tflops"] is not None:
+                record.log(f"    {row['tflops']:.1f} TFLOP/s")
             if score_sets is None:
                 scores = jax.jit(logits)(q, *shared)
                 score_sets = distinct_copies(scores, PREFILL_SETS)
