@@ -41,10 +41,10 @@ cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t b
   return cudaGetLastError();
 }
 
-template <int kHeads, int kRows>
+template <int kHeads, int kRows, int kGroupCols>
 cudaError_t LaunchRagged(const RaggedParams& params, int64_t num_row_blocks, int64_t num_chunks,
                          cudaStream_t stream) {
-  using L = Layout<kHeads, kRows>;
+  using L = Layout<kHeads, kRows, kGroupCols>;
   constexpr auto kKernel = RaggedMqaLogitsKernel<L>;
   constexpr int kBytes = kKernelSmemBytes<L>;
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
@@ -197,15 +197,16 @@ ffi::Error MqaLogits(cudaStream_t stream,
   params.num_keys = static_cast<int>(num_keys);
   params.tiles_per_cta = static_cast<int>(tiles_per_cta);
 
-  // kRaggedColumns query columns per CTA, groups of 64 on 4 warps each.
+  // kRaggedColumns query columns per CTA: at 64 heads two groups of two rows (wgmma N = 128, each
+  // key fragment loaded once for two rows), at 32 heads four groups of two rows (N = 64).
   constexpr int kRows64 = kRaggedColumns / 64, kRows32 = kRaggedColumns / 32;
   cudaError_t status;
   if (num_heads == 64) {
-    status = LaunchRagged<64, kRows64>(params, (num_rows + kRows64 - 1) / kRows64,
-                                       num_chunks, stream);
+    status = LaunchRagged<64, kRows64, 128>(params, (num_rows + kRows64 - 1) / kRows64,
+                                            num_chunks, stream);
   } else {
-    status = LaunchRagged<32, kRows32>(params, (num_rows + kRows32 - 1) / kRows32,
-                                       num_chunks, stream);
+    status = LaunchRagged<32, kRows32, 64>(params, (num_rows + kRows32 - 1) / kRows32,
+                                           num_chunks, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();

@@ -15,7 +15,7 @@
 // Work of one CTA on one 64-key tile: the query columns (row, head) it owns are split into groups
 // of at most 64 columns; each group is one warpgroup (4 warps), and warp w of a group takes keys
 // [16 w, 16 w + 16) of the tile against all the group's columns. The dot products are warpgroup
-// MMAs (wgmma m64 n(32 or 64) k32, e4m3 x e4m3 -> f32, which Hopper runs natively), K = 128 in 4
+// MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 x e4m3 -> f32, which Hopper runs natively), K = 128 in 4
 // k-steps, with the keys as A from registers (each warp loads its 16 key rows from the stage) and
 // the group's query columns as B from shared memory, stored there once per CTA. The epilogue
 // applies relu and the head weight to each accumulator, sums over heads (in-thread over its
@@ -83,13 +83,14 @@ struct RaggedParams {
   int tiles_per_cta;
 };
 
-// How a CTA's kRows query rows of kHeads heads split over warps.
-template <int kHeads_, int kRows_>
+// How a CTA's kRows query rows of kHeads heads split over warps: groups (warpgroups) of at most
+// kMaxGroupCols query columns, each the N of its wgmmas.
+template <int kHeads_, int kRows_, int kMaxGroupCols = 64>
 struct Layout {
   static constexpr int kHeads = kHeads_;
   static constexpr int kRows = kRows_;
   static constexpr int kCols = kHeads * kRows;                   // (row, head) pairs
-  static constexpr int kWarpCols = kCols < 64 ? kCols : 64;       // columns of one warp
+  static constexpr int kWarpCols = kCols < kMaxGroupCols ? kCols : kMaxGroupCols;  // per warp
   static constexpr int kGroups = kCols / kWarpCols;               // groups of 4 warps
   static constexpr int kThreads = 128 * kGroups;
   static constexpr int kNTiles = kWarpCols / 8;                   // n8 MMA tiles per warp
@@ -229,8 +230,9 @@ __device__ __forceinline__ void RunWgmma(uint32_t a0, uint32_t a1, uint32_t a2, 
 
 template <int kN>
 using WgmmaE4m3 = std::conditional_t<
-    kN == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>,
-    cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_RS_TN<>>;
+    kN == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_RS_TN<>,
+    std::conditional_t<kN == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>,
+                       cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_RS_TN<>>>;
 
 // Writes the CTA's query columns (all groups) into `operand` in the layout above; absent rows are
 // zero. Every thread of the CTA takes part; the caller fences (FenceProxyAsync) and synchronises
@@ -396,11 +398,14 @@ __device__ __forceinline__ void RunTiles(uint64_t query,
   }
 }
 
-// CTAs resident per SM the kernels are compiled for: 3 of 128 threads (168 registers each); else
-// as many as 128 registers a thread allow (2 of 256 threads, 1 of 512: the two accumulator sets
-// would otherwise take 143 and leave fewer).
+// CTAs resident per SM the kernels are compiled for: 3 of 128 threads (168 registers each); one
+// where a warp's columns are 128 (two sets of 64 accumulators need about 200 registers); else as
+// many as 128 registers a thread allow (2 of 256 threads, 1 of 512: the two accumulator sets would
+// otherwise take 143 and leave fewer).
 template <class L>
-inline constexpr int kMinCtasPerSm = L::kThreads == 128 ? 3 : 65536 / (L::kThreads * 128);
+inline constexpr int kMinCtasPerSm = L::kThreads == 128  ? 3
+                                     : L::kWarpCols == 128 ? 1
+                                                           : 65536 / (L::kThreads * 128);
 
 template <class L>
 __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
@@ -475,7 +480,8 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
 
 // ---- prefill: ragged logits ---------------------------------------------------------------------
 
-// Query columns (row, head) per CTA of the ragged kernel: 4 rows of 64 heads or 8 of 32, so that
+// Query columns (row, head) per CTA of the ragged kernel: 4 rows of 64 heads (two warpgroups of two
+// rows, N = 128) or 8 of 32 (four of two rows, N = 64), so that
 // each key tile brought from L2 serves that many rows (its binding,
 // kernels/sm90_indexer_logits.py, sizes the grid by the same number).
 inline constexpr int kRaggedColumns = 256;

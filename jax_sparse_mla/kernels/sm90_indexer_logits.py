@@ -8,10 +8,11 @@ fp32 accumulation inside each row's range and -inf everywhere else.
   paged   one CTA per (request, chunk of `tiles_per_cta` 64-token cache blocks); every block is one
           8448-byte page (values, then scales) brought by one bulk copy into an 8-stage ring;
           columns past the request's length are written -inf without reading any key.
-  ragged  one CTA per (4 rows of 64 heads or 8 of 32, chunk of 64-key tiles); only the tiles that
+  ragged  one CTA per (4 rows of 64 heads or 8 of 32, chunk of up to 128 64-key tiles); each
+          warpgroup takes two rows (wgmma N = 128 at 64 heads, 64 at 32); only the tiles that
           meet the union of the rows' ranges are read, and each serves all the CTA's rows.
 
-Both run warpgroup MMAs (wgmma m64 n(32 or 64) k32, e4m3 natively), keys from registers and the
+Both run warpgroup MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 natively), keys from registers and the
 query columns from shared memory, and each warpgroup issues tile i + 1's MMAs before it runs tile
 i's epilogue (relu, head weights, the head sum in registers and shuffles, fp32 stores straight to
 the output), so that the tensor cores work meanwhile. next_n of 1 and 2 run natively; larger next_n
@@ -25,6 +26,8 @@ benchmarked shape (docs/kernels/sm90-indexer.md): implementation="auto" runs the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,14 +40,30 @@ RAGGED_TARGET = "jax_sparse_mla_sm90_mqa_logits"
 RAGGED_COLUMNS = 256
 # Must match ffi/sm90/indexer_logits.cuh / .cu.
 TILE_KEYS = 64
-MAX_TILES_PER_CTA = 16
 MAX_GRID_Y = 65535
 # Keys per row (max_context_len, N): the kernels index keys with int32 (ffi/sm90/indexer_logits.cu).
 MAX_KEYS = 2**31 - 1024
 NATIVE_NEXT_N = (1, 2)
 HEADS = (32, 64)
-# Resident CTAs per SM the work split aims to fill (the 128-thread kernels fit 3).
-_CTAS_PER_SM = 3
+
+
+class GridModel(NamedTuple):
+    """How a kernel's CTAs share the GPU, for choosing its tiles per CTA: `ctas_per_sm` resident
+    CTAs per SM, a fixed cost per CTA of about `fixed_cost_tiles` tiles of work (the query load, the
+    first page's latency, the last tile's epilogue with no MMA under it), at most `max_tiles`."""
+
+    ctas_per_sm: int
+    fixed_cost_tiles: int
+    max_tiles: int
+
+
+# The paged kernels (128 threads; 256 at next_n = 2 and 64 heads) fit 3 CTAs per SM, whose fixed
+# costs overlap each other's tiles. The ragged kernel fits one CTA per SM (256 or 512 threads at up
+# to 236 registers), so nothing hides its fixed cost: on an H100, 4096 x 65536 ran 6745 us at 16
+# tiles per CTA, 5458 at 64, 5312 at 128 and 5697 at 256 (docs/kernels/sm90-indexer.md), which a
+# cost of about 5 tiles per CTA fits.
+PAGED_GRID = GridModel(ctas_per_sm=3, fixed_cost_tiles=1, max_tiles=16)
+RAGGED_GRID = GridModel(ctas_per_sm=1, fixed_cost_tiles=5, max_tiles=128)
 
 
 def _sm_count() -> int:
@@ -54,19 +73,20 @@ def _sm_count() -> int:
         return 132
 
 
-def tiles_per_cta(num_ctas_at_one_tile: int, num_tiles: int, sm_count: int) -> int:
-    """Tiles (64 keys) per CTA, chosen for whole waves: with W = _CTAS_PER_SM * sm_count resident
-    CTAs, a grid of C CTAs of t tiles runs ceil(C / W) waves, each about as long as one CTA (its t
-    tiles plus a fixed cost of about one tile: the query load and the first page's latency), so t
-    minimises ceil(C(t) / W) * (t + 1) over [2, MAX_TILES_PER_CTA] (ties to more tiles: fewer query
-    loads); 1 for single-tile rows. C(t) = num_ctas_at_one_tile * ceil(num_tiles / t)."""
+def tiles_per_cta(grid: GridModel, num_ctas_at_one_tile: int, num_tiles: int,
+                  sm_count: int) -> int:
+    """Tiles (64 keys) per CTA, chosen for whole waves: with W = grid.ctas_per_sm * sm_count
+    resident CTAs, a grid of C CTAs of t tiles runs ceil(C / W) waves, each about as long as one
+    CTA (its t tiles plus grid.fixed_cost_tiles), so t minimises
+    ceil(C(t) / W) * (t + grid.fixed_cost_tiles) over [2, grid.max_tiles] (ties to more tiles: fewer
+    query loads); 1 for single-tile rows. C(t) = num_ctas_at_one_tile * ceil(num_tiles / t)."""
     if num_tiles <= 1:
         return 1
-    resident = _CTAS_PER_SM * sm_count
+    resident = grid.ctas_per_sm * sm_count
     best_tiles, best_cost = 0, None
-    for tiles in range(min(MAX_TILES_PER_CTA, num_tiles), 1, -1):
+    for tiles in range(min(grid.max_tiles, num_tiles), 1, -1):
         ctas = num_ctas_at_one_tile * -(-num_tiles // tiles)
-        cost = -(-ctas // resident) * (tiles + 1)
+        cost = -(-ctas // resident) * (tiles + grid.fixed_cost_tiles)
         if best_cost is None or cost < best_cost:
             best_tiles, best_cost = tiles, cost
     return best_tiles
@@ -92,7 +112,7 @@ def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_con
         PAGED_TARGET, jax.ShapeDtypeStruct((rows, max_context_len), jnp.float32),
         vmap_method="sequential")
     return call(q, index_cache, weights, context_lens, block_table,
-                tiles_per_cta=np.int64(tiles_per_cta(batch, num_tiles, _sm_count())))
+                tiles_per_cta=np.int64(tiles_per_cta(PAGED_GRID, batch, num_tiles, _sm_count())))
 
 
 def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends):
@@ -104,7 +124,7 @@ def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends):
         return jnp.full((num_rows, num_keys), -jnp.inf, jnp.float32)
     rows_per_cta = RAGGED_COLUMNS // num_heads
     num_tiles = -(-num_keys // TILE_KEYS)
-    tiles = tiles_per_cta(-(-num_rows // rows_per_cta), num_tiles, _sm_count())
+    tiles = tiles_per_cta(RAGGED_GRID, -(-num_rows // rows_per_cta), num_tiles, _sm_count())
     tiles = max(tiles, -(-num_tiles // MAX_GRID_Y))  # at most 65535 key chunks (grid y)
     call = jax.ffi.ffi_call(
         RAGGED_TARGET, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),

@@ -80,19 +80,22 @@ def test_check_names_a_missing_build(fake_sm90, monkeypatch):
     assert "has no jax_sparse_mla_sm90_paged_mqa_logits" in logits.check_paged(paged(), (9, 0))
 
 
+@pytest.mark.parametrize("grid", [logits.PAGED_GRID, logits.RAGGED_GRID])
 @pytest.mark.parametrize("ctas,num_tiles", [(1, 2048), (1, 1), (1, 3), (128, 2048), (32, 128),
-                                            (1000, 5), (1, 10 ** 6), (1, 1024), (32, 1024)])
-def test_tiles_per_cta_minimises_whole_waves(ctas, num_tiles):
-    tiles = logits.tiles_per_cta(ctas, num_tiles, 132)
-    assert 1 <= tiles <= min(logits.MAX_TILES_PER_CTA, num_tiles)
+                                            (1000, 5), (1, 10 ** 6), (1, 1024), (32, 1024),
+                                            (1024, 1024), (512, 128)])
+def test_tiles_per_cta_minimises_whole_waves(grid, ctas, num_tiles):
+    tiles = logits.tiles_per_cta(grid, ctas, num_tiles, 132)
+    assert 1 <= tiles <= min(grid.max_tiles, num_tiles)
     if num_tiles == 1:
         assert tiles == 1
         return
 
-    def cost(t):  # waves of 3 x 132 CTAs, each as long as t tiles plus one
-        return -(-(ctas * -(-num_tiles // t)) // 396) * (t + 1)
+    def cost(t):  # waves of ctas_per_sm x 132 CTAs, each as long as t tiles plus the fixed cost
+        return (-(-(ctas * -(-num_tiles // t)) // (grid.ctas_per_sm * 132))
+                * (t + grid.fixed_cost_tiles))
 
-    candidates = range(2, min(logits.MAX_TILES_PER_CTA, num_tiles) + 1)
+    candidates = range(2, min(grid.max_tiles, num_tiles) + 1)
     assert cost(tiles) == min(cost(t) for t in candidates)
     assert tiles == max(t for t in candidates if cost(t) == cost(tiles))
 
@@ -100,9 +103,17 @@ def test_tiles_per_cta_minimises_whole_waves(ctas, num_tiles):
 def test_tiles_per_cta_fills_whole_waves_at_the_decode_points():
     # 1 x 65536 and 1 x 131072: one wave of 342 CTAs instead of 512 (1.29 waves); 32 x 65536:
     # 2,368 CTAs (5.98 waves) instead of 2,048 (5.17).
-    assert logits.tiles_per_cta(1, 1024, 132) == 3
-    assert logits.tiles_per_cta(1, 2048, 132) == 6
-    assert logits.tiles_per_cta(32, 1024, 132) == 14
+    assert logits.tiles_per_cta(logits.PAGED_GRID, 1, 1024, 132) == 3
+    assert logits.tiles_per_cta(logits.PAGED_GRID, 1, 2048, 132) == 6
+    assert logits.tiles_per_cta(logits.PAGED_GRID, 32, 1024, 132) == 14
+
+
+def test_tiles_per_cta_at_the_prefill_points():
+    # 4096 rows (1024 CTAs of 4 rows) against 65536 keys: 9 chunks of 114 tiles (69.8 waves)
+    # rather than 8 of 128 (62.1 waves, the fastest of the H100 sweep over 16 to 256 tiles); against
+    # 131072 keys: 128.
+    assert logits.tiles_per_cta(logits.RAGGED_GRID, 1024, 1024, 132) == 114
+    assert logits.tiles_per_cta(logits.RAGGED_GRID, 1024, 2048, 132) == 128
 
 
 @pytest.mark.parametrize("op,problem", [("fp8_paged_mqa_logits", paged()),
@@ -179,7 +190,8 @@ def test_ragged_grid_counts_the_kernels_rows_per_cta(fake_sm90, monkeypatch, hea
     the rows of 256 query columns."""
     import jax
     seen = []
-    monkeypatch.setattr(logits, "tiles_per_cta", lambda ctas, tiles, sms: seen.append(ctas) or 1)
+    monkeypatch.setattr(logits, "tiles_per_cta",
+                        lambda grid, ctas, tiles, sms: seen.append(ctas) or 1)
     num_rows = 37
     jax.eval_shape(lambda *a: logits._ragged_native(*a),
                    jax.ShapeDtypeStruct((num_rows, heads, 128), jnp.float8_e4m3fn),

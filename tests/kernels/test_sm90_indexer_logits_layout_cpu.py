@@ -7,8 +7,8 @@ A fragment: register r of lane (g, t) holds row 16 w + g + 8 (r % 2), k 4 t + 16
 and B from shared memory through an unswizzled K-major descriptor (element (n, k) at
 start + (k // 16) * LBO + (n // 8) * SBO + (n % 8) * 16 + k % 16), with the kernel's start, LBO and
 SBO for each k-step. It checks that every accumulator is the dot product of its key and query column
-over the 128 real dims (the dim permutation of A and B agree), for both operand widths (32 and 64
-columns), and that the accumulator layout is the one HeadSums reads. Bytes stand for e4m3 values as
+over the 128 real dims (the dim permutation of A and B agree), for every operand width (32, 64 and
+128 columns), and that the accumulator layout is the one HeadSums reads. Bytes stand for e4m3 values as
 small integers: the question is where each byte goes, not the arithmetic.
 """
 
@@ -85,7 +85,7 @@ def wgmma_register_a(columns: int, operand: np.ndarray, tile: np.ndarray) -> np.
     return d
 
 
-@pytest.mark.parametrize("columns", [32, 64])
+@pytest.mark.parametrize("columns", [32, 64, 128])
 def test_wgmma_operands_give_every_dot_product(columns):
     rng = np.random.default_rng(columns)
     query = rng.integers(-7, 8, (columns, DIM))
@@ -94,7 +94,7 @@ def test_wgmma_operands_give_every_dot_product(columns):
     np.testing.assert_array_equal(d, tile @ query.T)
 
 
-@pytest.mark.parametrize("columns", [32, 64])
+@pytest.mark.parametrize("columns", [32, 64, 128])
 def test_the_kernels_store_loop_writes_that_layout(columns):
     query = np.random.default_rng(columns + 1).integers(-7, 8, (columns, DIM))
     np.testing.assert_array_equal(store_query_operand_by_halves(query),
@@ -114,14 +114,15 @@ def test_a_wrong_word_order_is_caught():
     assert not np.array_equal(wgmma_register_a(64, plain, tile), tile @ query.T)
 
 
-def test_accumulator_layout_is_the_one_head_sums_reads():
+@pytest.mark.parametrize("columns", [32, 64, 128])
+def test_accumulator_layout_is_the_one_head_sums_reads(columns):
     """wgmma's f32 accumulator i of lane (g, t) in warp w is (row 16 w + g + 8 ((i / 2) % 2),
     column 8 (i / 4) + 2 t + i % 2); HeadSums reads acc[n][j] = element 4 n + j as (key 16 w + g +
     8 (j / 2), column 8 n + 2 t + j % 2): the m16n8 layout, the same map."""
     for warp in range(4):
         for lane in range(32):
             g, t = lane // 4, lane % 4
-            for i in range(32):
+            for i in range(columns // 2):
                 wgmma = (16 * warp + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * t + i % 2)
                 n, j = divmod(i, 4)
                 head_sums = (16 * warp + g + 8 * (j // 2), 8 * n + 2 * t + j % 2)
