@@ -216,17 +216,6 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
     queries = [q * (i % 3 + 1) for i in range(PREFILL_SETS)]
     score_sets = None
 
-    def measure_logits(backend, logits):
-        """Times jit(logits)(query, *shared) and logs its TFLOP/s."""
-        row = record.measure(f"prefill_logits {backend:9s} M={num_rows:4d} N={num_keys:6d}",
-                             lambda: timed(timer, logits, queries, shared, PREFILL_CALLS),
-                             logits_bytes, op="prefill_logits", backend=backend, B=1,
-                             context=num_keys, M=num_rows)
-        row["tflops"] = flop / row["us"] / 1e6 if row["us"] else None
-        record.save()
-        if row["tflops"] is not None:
-            record.log(f"    {row['tflops']:.1f} TFLOP/s")
-
     for backend in [b for b in backends if b in ("native", "auto", "xla")]:
         if backend == "xla" and num_keys > xla_max_keys:
             continue
