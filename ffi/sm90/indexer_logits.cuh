@@ -13,16 +13,16 @@
 //                         of the gathered key buffer); each key tile is reused by all its rows.
 //
 // Work of one CTA on one 64-key tile: the query columns (row, head) it owns are split into groups
-// of at most 64 columns; each group is one warpgroup (4 warps), and warp w of a group takes keys
-// [16 w, 16 w + 16) of the tile against all the group's columns. The dot products are warpgroup
-// MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 x e4m3 -> f32, which Hopper runs natively), K = 128 in 4
-// k-steps, with the keys as A from registers (each warp loads its 16 key rows from the stage) and
-// the group's query columns as B from shared memory, stored there once per CTA. The epilogue
-// applies relu and the head weight to each accumulator, sums over heads (in-thread over its
-// columns, then over the 4 threads of a quad with shuffles), multiplies by the key's scale and
-// stores fp32 straight to global memory, or -inf where the key is outside the row's range. Each
-// warpgroup issues tile i + 1's MMAs before it runs tile i's epilogue, so that the tensor cores
-// work while it runs (RunTiles).
+// of at most 64 columns (128 in the ragged kernel at 64 heads); each group is one warpgroup (4
+// warps), and warp w of a group takes keys [16 w, 16 w + 16) of the tile against all the group's
+// columns. The dot products are warpgroup MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 x e4m3 -> f32,
+// which Hopper runs natively), K = 128 in 4 k-steps, with the keys as A from registers (each warp
+// loads its 16 key rows from the stage) and the group's query columns as B from shared memory,
+// stored there once per CTA. The epilogue applies relu and the head weight to each accumulator,
+// sums over heads (in-thread over its columns, then over the 4 threads of a quad with shuffles),
+// multiplies by the key's scale and stores fp32 straight to global memory, or -inf where the key is
+// outside the row's range. Each warpgroup issues tile i + 1's MMAs before it runs tile i's
+// epilogue, so that the tensor cores work while it runs (RunTiles).
 //
 // Dim permutation: a dot product does not depend on the order of its 128 terms, so the MMA's
 // logical K index need not be the memory dim, as long as A and B use the same map. We let thread

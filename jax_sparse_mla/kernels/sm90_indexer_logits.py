@@ -12,11 +12,11 @@ fp32 accumulation inside each row's range and -inf everywhere else.
           warpgroup takes two rows (wgmma N = 128 at 64 heads, 64 at 32); only the tiles that
           meet the union of the rows' ranges are read, and each serves all the CTA's rows.
 
-Both run warpgroup MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 natively), keys from registers and the
-query columns from shared memory, and each warpgroup issues tile i + 1's MMAs before it runs tile
-i's epilogue (relu, head weights, the head sum in registers and shuffles, fp32 stores straight to
-the output), so that the tensor cores work meanwhile. next_n of 1 and 2 run natively; larger next_n
-is flattened here into next_n = 1 rows (each row its own length and a copy of its request's
+Both run warpgroup MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 natively), keys from registers and
+the query columns from shared memory, and each warpgroup issues tile i + 1's MMAs before it runs
+tile i's epilogue (relu, head weights, the head sum in registers and shuffles, fp32 stores straight
+to the output), so that the tensor cores work meanwhile. next_n of 1 and 2 run natively; larger
+next_n is flattened here into next_n = 1 rows (each row its own length and a copy of its request's
 block-table row; keys are then read once per row).
 
 They passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_logits_gpu.py, racecheck

@@ -8,8 +8,8 @@ and B from shared memory through an unswizzled K-major descriptor (element (n, k
 start + (k // 16) * LBO + (n // 8) * SBO + (n % 8) * 16 + k % 16), with the kernel's start, LBO and
 SBO for each k-step. It checks that every accumulator is the dot product of its key and query column
 over the 128 real dims (the dim permutation of A and B agree), for every operand width (32, 64 and
-128 columns), and that the accumulator layout is the one HeadSums reads. Bytes stand for e4m3 values as
-small integers: the question is where each byte goes, not the arithmetic.
+128 columns), and that the accumulator layout is the one HeadSums reads. Bytes stand for e4m3
+values as small integers: the question is where each byte goes, not the arithmetic.
 """
 
 from __future__ import annotations
