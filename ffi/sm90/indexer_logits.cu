@@ -1,5 +1,7 @@
 // XLA FFI handlers of the lightning indexer's fp8 MQA logits on SM90 (indexer_logits.cuh): one
 // kernel launch each, no host synchronisation, no allocation.
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -27,6 +29,41 @@ ffi::Error ArgumentError(const char* op, const std::string& what) {
 
 using sm90::RaiseSharedMemoryLimit;
 
+// The ragged kernel's TMA view of the keys [N, 128] e4m3 (RaggedParams::keys_map), encoded per call
+// on the host (a tensor map holds the buffer's address; a command buffer records it with the
+// launch). The driver function is resolved through the runtime's entry-point query: the extension
+// does not link libcuda, so that it imports on machines without a driver.
+ffi::Error EncodeKeysMap(const char* op, CUtensorMap* map, const void* keys, int64_t num_keys) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      fn = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  if (encode == nullptr) {
+    return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op +
+                                ": the driver has no cuTensorMapEncodeTiled");
+  }
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(num_keys)};
+  const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(kHeadDim)};  // bytes
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kHeadDim), static_cast<cuuint32_t>(kTileKeys)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult status =
+      encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(keys), dims, row_stride, box,
+             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (status != CUDA_SUCCESS) {
+    return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op +
+                                ": cuTensorMapEncodeTiled failed with CUresult " +
+                                std::to_string(static_cast<int>(status)));
+  }
+  return ffi::Error::Success();
+}
+
 template <int kHeads, int kNextN>
 cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t batch,
                         cudaStream_t stream) {
@@ -41,17 +78,17 @@ cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t b
   return cudaGetLastError();
 }
 
-template <int kHeads, int kRows, int kGroupCols>
-cudaError_t LaunchRagged(const RaggedParams& params, int64_t num_row_blocks, int64_t num_chunks,
-                         cudaStream_t stream) {
+template <int kHeads, int kRows, int kGroupCols, bool kTmaKeys>
+cudaError_t LaunchRagged(const RaggedParams& params, const CUtensorMap& keys_map,
+                         int64_t num_row_blocks, int64_t num_chunks, cudaStream_t stream) {
   using L = Layout<kHeads, kRows, kGroupCols>;
-  constexpr auto kKernel = RaggedMqaLogitsKernel<L>;
-  constexpr int kBytes = kKernelSmemBytes<L>;
+  constexpr auto kKernel = RaggedMqaLogitsKernel<L, kTmaKeys>;
+  constexpr int kBytes = kRaggedSmemBytes<L, kTmaKeys>;
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
   kKernel<<<dim3(static_cast<unsigned>(num_row_blocks), static_cast<unsigned>(num_chunks)),
-            L::kThreads, kBytes, stream>>>(params);
+            L::kThreads, kBytes, stream>>>(params, keys_map);
   return cudaGetLastError();
 }
 
@@ -135,6 +172,7 @@ ffi::Error PagedMqaLogits(cudaStream_t stream,
   return ffi::Error::Success();
 }
 
+template <bool kTmaKeys>
 ffi::Error MqaLogits(cudaStream_t stream,
                      ffi::AnyBuffer q,                    // [M, H, 128] e4m3
                      ffi::AnyBuffer keys,                 // [N, 128] e4m3
@@ -186,6 +224,13 @@ ffi::Error MqaLogits(cudaStream_t stream,
   }
 
   RaggedParams params;
+  CUtensorMap keys_map = {};  // the TMA form's view of the keys
+  if constexpr (kTmaKeys) {
+    if (ffi::Error error = EncodeKeysMap(kOp, &keys_map, keys.untyped_data(), num_keys);
+        error.failure()) {
+      return error;
+    }
+  }
   params.q = static_cast<const uint8_t*>(q.untyped_data());
   params.keys = static_cast<const uint8_t*>(keys.untyped_data());
   params.key_scale = key_scale.typed_data();
@@ -202,11 +247,11 @@ ffi::Error MqaLogits(cudaStream_t stream,
   constexpr int kRows64 = kRaggedColumns / 64, kRows32 = kRaggedColumns / 32;
   cudaError_t status;
   if (num_heads == 64) {
-    status = LaunchRagged<64, kRows64, 128>(params, (num_rows + kRows64 - 1) / kRows64,
-                                            num_chunks, stream);
+    status = LaunchRagged<64, kRows64, 128, kTmaKeys>(params, keys_map, (num_rows + kRows64 - 1) / kRows64,
+                                                      num_chunks, stream);
   } else {
-    status = LaunchRagged<32, kRows32, 64>(params, (num_rows + kRows32 - 1) / kRows32,
-                                           num_chunks, stream);
+    status = LaunchRagged<32, kRows32, 64, kTmaKeys>(params, keys_map, (num_rows + kRows32 - 1) / kRows32,
+                                                     num_chunks, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
@@ -243,6 +288,9 @@ namespace logits = jax_sparse_mla::indexer;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits, logits::PagedMqaLogits,
                               JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, logits::MqaLogits,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, logits::MqaLogits<false>,
+                              JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
+                              {xla::ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsTma, logits::MqaLogits<true>,
                               JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});

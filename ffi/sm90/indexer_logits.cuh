@@ -11,30 +11,39 @@
 //                         brings a whole page, scales included, into a ring of kStages stages.
 //   RaggedMqaLogitsKernel (prefill) one CTA per (group of kRows query rows, chunk of 64-key tiles
 //                         of the gathered key buffer); each key tile is reused by all its rows.
+//                         A TMA load brings each tile (64 rows x 128 bytes) into the ring in the
+//                         128-byte swizzle, the layout a wgmma shared-memory operand reads.
 //
 // Work of one CTA on one 64-key tile: the query columns (row, head) it owns are split into groups
 // of at most 64 columns (128 in the ragged kernel at 64 heads); each group is one warpgroup (4
 // warps), and warp w of a group takes keys [16 w, 16 w + 16) of the tile against all the group's
 // columns. The dot products are warpgroup MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 x e4m3 -> f32,
-// which Hopper runs natively), K = 128 in 4 k-steps, with the keys as A from registers (each warp
-// loads its 16 key rows from the stage) and the group's query columns as B from shared memory,
-// stored there once per CTA. The epilogue applies relu and the head weight to each accumulator,
-// sums over heads (in-thread over its columns, then over the 4 threads of a quad with shuffles),
-// multiplies by the key's scale and stores fp32 straight to global memory, or -inf where the key is
-// outside the row's range. Each warpgroup issues tile i + 1's MMAs before it runs tile i's
-// epilogue, so that the tensor cores work while it runs (RunTiles).
+// which Hopper runs natively), K = 128 in 4 k-steps, with the group's query columns as B from shared
+// memory, stored there once per CTA, and the keys as A: from registers in the paged kernel (each
+// warp loads its 16 key rows from the stage), straight from the stage in the ragged kernel (no
+// instruction of the warps touches a key byte there). The epilogue applies relu and the head weight
+// to each accumulator, sums over heads (in-thread over its columns, then over the 4 threads of a
+// quad with shuffles), multiplies by the key's scale and stores fp32 straight to global memory, or
+// -inf where the key is outside the row's range. Each warpgroup issues tile i + 1's MMAs before it
+// runs tile i's epilogue, so that the tensor cores work while it runs (RunTiles).
 //
-// Dim permutation: a dot product does not depend on the order of its 128 terms, so the MMA's
-// logical K index need not be the memory dim, as long as A and B use the same map. We let thread
-// (group g = lane / 4, t = lane % 4) hold the 32 contiguous bytes [32 t, 32 t + 32) of its key rows:
-// 32-bit word 2 ks + half of that chunk feeds k-step ks, register half (logical dims 32 ks + 16 half
-// + 4 t + 0..3), and the query operand is stored with the same map. Keys load with 16-byte vector
-// loads. Shared-memory banks: key rows are 128 bytes apart (the copy engine cannot pad them), so the
-// two rows of one 8-lane phase of a 16-byte load would hit the same banks; lanes of odd g load their
-// two 16-byte halves in the opposite order (then swap registers), which makes the phase
-// conflict-free without changing any value.
+// Why the paged kernel keeps register A: its pages (values, then the 64 scales) come whole by one
+// bulk copy, which cannot swizzle, and decode is bound by memory, not by issue slots. Loading key
+// fragments costs the prefill kernel, which is bound by issue, about a fifth of its instructions
+// (docs/kernels/sm90-indexer.md).
+//
+// Dim permutation (register A): a dot product does not depend on the order of its 128 terms, so the
+// MMA's logical K index need not be the memory dim, as long as A and B use the same map. We let
+// thread (group g = lane / 4, t = lane % 4) hold the 32 contiguous bytes [32 t, 32 t + 32) of its key
+// rows: 32-bit word 2 ks + half of that chunk feeds k-step ks, register half (logical dims 32 ks + 16
+// half + 4 t + 0..3), and the query operand is stored with the same map. Keys load with 16-byte
+// vector loads. Shared-memory banks: key rows are 128 bytes apart (the copy engine cannot pad them),
+// so the two rows of one 8-lane phase of a 16-byte load would hit the same banks; lanes of odd g load
+// their two 16-byte halves in the opposite order (then swap registers), which makes the phase
+// conflict-free without changing any value. With shared-memory A the query is stored in dim order.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: nothing here calls the driver)
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -103,11 +112,13 @@ struct Layout {
 
 using sm90::ArriveExpectBytes;
 using sm90::CopyBulk;
+using sm90::CopyTensor2d;
 using sm90::Descriptor;
 using sm90::FenceBarrierInit;
 using sm90::FenceProxyAsync;
 using sm90::InitBarrier;
 using sm90::SmemAddress;
+using sm90::SwizzledKMajorDescriptor;
 using sm90::WaitBarrier;
 
 __device__ __forceinline__ float NegativeInfinity() { return __int_as_float(0xff800000); }
@@ -228,38 +239,68 @@ __device__ __forceinline__ void RunWgmma(uint32_t a0, uint32_t a1, uint32_t a2, 
            accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
+// One shared-memory wgmma: acc = or += A (descriptor) x B (descriptor).
+template <typename Mma, int kRegs, size_t... kI>
+__device__ __forceinline__ void RunWgmma(uint64_t a, uint64_t b, float (&d)[kRegs],
+                                         bool accumulate, std::index_sequence<kI...>) {
+  Mma::fma(a, b, d[kI]...,
+           accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
 template <int kN>
 using WgmmaE4m3 = std::conditional_t<
     kN == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_RS_TN<>,
     std::conditional_t<kN == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_RS_TN<>,
                        cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_RS_TN<>>>;
 
-// Writes the CTA's query columns (all groups) into `operand` in the layout above; absent rows are
-// zero. Every thread of the CTA takes part; the caller fences (FenceProxyAsync) and synchronises
-// before any wgmma reads it.
-template <class L>
+template <int kN>
+using WgmmaE4m3Shared = std::conditional_t<
+    kN == 128, cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>,
+    std::conditional_t<kN == 64, cute::SM90::GMMA::MMA_64x64x32_F32E4M3E4M3_SS_TN<>,
+                       cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>>>;
+
+// Writes the CTA's query columns (all groups) into `operand` in the layout above, with the dim
+// permutation where the keys come from registers (kPermuted) and in dim order where they come from
+// shared memory; absent rows are zero. Every thread of the CTA takes part; the caller fences
+// (FenceProxyAsync) and synchronises before any wgmma reads it.
+template <class L, bool kPermuted>
 __device__ __forceinline__ void StoreQueryOperand(uint8_t* operand, const uint8_t* q_cta,
                                                   int valid_rows) {
-  // Half h of a column holds K chunks 4 h .. 4 h + 3, which take words 8 j + 4 h + (0..3) for
-  // j = 0..3: four 16-byte loads of the column, then four 16-byte stores.
-  for (int i = threadIdx.x; i < L::kCols * 2; i += L::kThreads) {
-    const int column = i / 2, half = i % 2;
-    const int group = column / L::kWarpCols, n = column % L::kWarpCols;
-    uint32_t words[4][4] = {};  // words[j][c] = the column's word 8 j + 4 half + c
-    if (column / L::kHeads < valid_rows) {
-      const uint8_t* source = q_cta + static_cast<int64_t>(column) * kHeadDim + 16 * half;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const uint4 v = *reinterpret_cast<const uint4*>(source + 32 * j);
-        words[j][0] = v.x, words[j][1] = v.y, words[j][2] = v.z, words[j][3] = v.w;
+  if constexpr (!kPermuted) {
+    // Chunk c of a column is its bytes [16 c, 16 c + 16).
+    for (int i = threadIdx.x; i < L::kCols * 8; i += L::kThreads) {
+      const int column = i / 8, chunk = i % 8;
+      const int group = column / L::kWarpCols, n = column % L::kWarpCols;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (column / L::kHeads < valid_rows) {
+        v = *reinterpret_cast<const uint4*>(q_cta + static_cast<int64_t>(column) * kHeadDim +
+                                            16 * chunk);
       }
+      *reinterpret_cast<uint4*>(operand + group * L::kWarpCols * kHeadDim + chunk * L::kWarpCols * 16 +
+                                n * 16) = v;
     }
-    uint8_t* column_base = operand + group * L::kWarpCols * kHeadDim + n * 16;
+  } else {
+    // Half h of a column holds K chunks 4 h .. 4 h + 3, which take words 8 j + 4 h + (0..3) for
+    // j = 0..3: four 16-byte loads of the column, then four 16-byte stores.
+    for (int i = threadIdx.x; i < L::kCols * 2; i += L::kThreads) {
+      const int column = i / 2, half = i % 2;
+      const int group = column / L::kWarpCols, n = column % L::kWarpCols;
+      uint32_t words[4][4] = {};  // words[j][c] = the column's word 8 j + 4 half + c
+      if (column / L::kHeads < valid_rows) {
+        const uint8_t* source = q_cta + static_cast<int64_t>(column) * kHeadDim + 16 * half;
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int chunk = 4 * half + c;
-      *reinterpret_cast<uint4*>(column_base + chunk * L::kWarpCols * 16) =
-          make_uint4(words[0][c], words[1][c], words[2][c], words[3][c]);
+        for (int j = 0; j < 4; ++j) {
+          const uint4 v = *reinterpret_cast<const uint4*>(source + 32 * j);
+          words[j][0] = v.x, words[j][1] = v.y, words[j][2] = v.z, words[j][3] = v.w;
+        }
+      }
+      uint8_t* column_base = operand + group * L::kWarpCols * kHeadDim + n * 16;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int chunk = 4 * half + c;
+        *reinterpret_cast<uint4*>(column_base + chunk * L::kWarpCols * 16) =
+            make_uint4(words[0][c], words[1][c], words[2][c], words[3][c]);
+      }
     }
   }
 }
@@ -301,6 +342,23 @@ struct WgmmaTile {
     cute::warpgroup_commit_batch();
   }
 
+  // The same with the keys as A from shared memory: `keys` describes a stage in the 128-byte
+  // swizzle (SwizzledKMajorDescriptor), its 64 rows the warpgroup's M; query columns in dim order.
+  __device__ __forceinline__ void IssueShared(uint64_t keys, uint64_t query) {
+    using Mma = WgmmaE4m3Shared<L::kWarpCols>;
+    constexpr uint64_t kStep = 2 * L::kWarpCols * 16 / 16;  // B: two 16-byte K chunks
+    float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
+#pragma unroll
+    for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {  // A: 32 bytes of each row per k-step, 2 descriptor units
+      RunWgmma<Mma>(keys + 2 * ks, query + ks * kStep, d, ks > 0,
+                    std::make_index_sequence<L::kNTiles * 4>{});
+    }
+    cute::warpgroup_commit_batch();
+  }
+
   __device__ __forceinline__ void Sums(const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
                                        float (&hi)[L::kWarpRows]) {
     float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
@@ -334,30 +392,31 @@ static_assert(kSmemBytes % 16 == 0);
 // Stores the CTA's query columns into `operand` (every thread of the CTA takes part; a
 // __syncthreads must follow before the first tile) and returns this warpgroup's B descriptor at
 // k-step 0.
-template <class L>
+template <class L, bool kPermuted>
 __device__ __forceinline__ uint64_t LoadQuery(const uint8_t* q_cta, uint8_t* operand, int group,
                                               int valid_rows) {
-  StoreQueryOperand<L>(operand, q_cta, valid_rows);
+  StoreQueryOperand<L, kPermuted>(operand, q_cta, valid_rows);
   FenceProxyAsync();
   return Descriptor(operand + group * L::kWarpCols * kHeadDim, L::kWarpCols * 16, 128);
 }
 
 // The tile loop of both kernels over the CTA's num_loads tiles in the ring (tile i in stage
-// i % kStages, complete when full[stage] flips): per tile, `epilogue(i, page, value)` stores the
+// i % kStages, kStageBytes apart, complete when full[stage] flips; kSharedKeys: the MMAs read the
+// keys from the stage, else from registers loaded from it): per tile, `epilogue(i, page, value)` stores the
 // lane's result (PickResult), then the CTA synchronises and `refill(i)` may refill the stage (every
 // warp is done with it). Tile i + 1's MMAs are issued before tile i's epilogue, which then runs
 // while they execute. `query`: the warpgroup's B descriptor (LoadQuery).
-template <class L, class Epilogue, class Refill>
+template <class L, int kStageBytes, bool kSharedKeys, class Epilogue, class Refill>
 __device__ __forceinline__ void RunTiles(uint64_t query,
                                          const uint8_t* stages, uint64_t* full, int num_loads,
                                          int mtile, int lane, const HeadWeights<L>& hw,
                                          Epilogue&& epilogue, Refill&& refill) {
   const int t = lane & 3;
-  auto page = [&](int i) { return stages + (i % kStages) * kPageBytes; };
+  auto page = [&](int i) { return stages + (i % kStages) * kStageBytes; };
   auto wait = [&](int i) { WaitBarrier(&full[i % kStages], (i / kStages) & 1); };
   auto finish = [&](int i, const float(&lo)[L::kWarpRows], const float(&hi)[L::kWarpRows]) {
     epilogue(i, page(i), PickResult<L>(lo, hi, t));
-    __syncthreads();  // every warp is done with this stage (its MMAs read registers, not it)
+    __syncthreads();  // every warp is done with this stage (its MMAs that read it have retired)
     refill(i);
   };
   // Tiles 2j and 2j + 1 accumulate in two named sets of registers, so that tile i's epilogue
@@ -367,10 +426,18 @@ __device__ __forceinline__ void RunTiles(uint64_t query,
   // in flight at its top and at its end) and the last one or two tiles are peeled after it: with
   // an issue under a condition it serialises every wgmma of the kernel.
   KeyFragment keys;
+  // Shared-memory A: stage s's descriptor is stage 0's with the start address (in 16-byte units, the
+  // descriptor's low bits) s * kStageBytes further.
+  [[maybe_unused]] const uint64_t stage_keys = kSharedKeys ? SwizzledKMajorDescriptor(stages) : 0;
   WgmmaTile<L> even, odd;
   auto issue = [&](int i, WgmmaTile<L>& tile) {
     wait(i);
-    tile.Issue(keys, page(i), mtile, lane, query);
+    if constexpr (kSharedKeys) {
+      tile.IssueShared(stage_keys + static_cast<uint64_t>((i % kStages) * (kStageBytes >> 4)),
+                       query);
+    } else {
+      tile.Issue(keys, page(i), mtile, lane, query);
+    }
   };
   auto sums_and_finish = [&](int i, WgmmaTile<L>& tile) {
     float lo[L::kWarpRows], hi[L::kWarpRows];
@@ -450,8 +517,9 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, t0 + s);
   }
 
-  const uint64_t query = LoadQuery<L>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
-                                     smem + kSmemBytes, group, L::kRows);
+  const uint64_t query =
+      LoadQuery<L, true>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
+                         smem + kSmemBytes, group, L::kRows);
   HeadWeights<L> hw;
   LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
                      L::kRows);
@@ -463,7 +531,7 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   const int key_in_tile = 16 * mtile + (lane >> 2) + 8 * (t & 1);
   __syncthreads();  // the barriers are initialised (and the query operand stored)
 
-  RunTiles<L>(
+  RunTiles<L, kPageBytes, false>(
       query, smem, full, num_loads, mtile, lane, hw,
       [&](int i, const uint8_t* page, float value) {
         const int key = (t0 + i) * kTileKeys + key_in_tile;
@@ -486,11 +554,32 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
 // kernels/sm90_indexer_logits.py, sizes the grid by the same number).
 inline constexpr int kRaggedColumns = 256;
 
-template <class L>
+// Two forms of the ragged kernel. kTmaKeys = false: one bulk copy per tile into stages kPageBytes
+// apart (the paged kernel's ring), keys as register A with the dim permutation. kTmaKeys = true: one
+// TMA load per tile in the 128-byte swizzle into stages of 8192 bytes, 1024-byte aligned as that
+// swizzle needs, and keys as shared-memory A: no fragment loads, no moves assembling A registers.
+// Its shared memory: the ring, its barriers, the query operand, plus up to 1023 bytes to align the
+// ring (the base alignment of dynamic shared memory is not specified).
+template <bool kTmaKeys>
+inline constexpr int kRaggedStageBytes = kTmaKeys ? kTileValueBytes : kPageBytes;
+template <bool kTmaKeys>
+inline constexpr int kRaggedRingBytes = kStages * kRaggedStageBytes<kTmaKeys> + kStages * 8;
+template <class L, bool kTmaKeys>
+inline constexpr int kRaggedSmemBytes =
+    (kTmaKeys ? 1024 : 0) + kRaggedRingBytes<kTmaKeys> + kQueryOperandBytes<L>;
+static_assert(kRaggedRingBytes<true> % 16 == 0 && kRaggedRingBytes<false> == kSmemBytes);
+
+// keys_map (read by the TMA form only): the keys [N, 128] e4m3 as a 2-D tensor, boxes of 64 rows x
+// 128 bytes in the 128-byte swizzle (rows past N read as zeros). A parameter of its own, so that
+// __grid_constant__ (TMA needs the map's address) leaves `p`'s code unchanged.
+template <class L, bool kTmaKeys>
 __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
-    RaggedMqaLogitsKernel(const RaggedParams p) {
-  extern __shared__ __align__(128) uint8_t smem[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
+    RaggedMqaLogitsKernel(const RaggedParams p, const __grid_constant__ CUtensorMap keys_map) {
+  constexpr int kStageBytes = kRaggedStageBytes<kTmaKeys>;
+  extern __shared__ __align__(1024) uint8_t dynamic_smem[];
+  uint8_t* smem = dynamic_smem;
+  if constexpr (kTmaKeys) smem += (1024 - (SmemAddress(dynamic_smem) & 1023)) & 1023;
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mtile = warp & 3, group = warp >> 2;
   const int num_keys = p.num_keys;
@@ -529,13 +618,20 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   if (num_loads <= 0) return;
 
   auto issue = [&](int stage, int tile) {
-    // The last tile may be partial: only its keys are copied (rows past N hold stale bytes whose
-    // results are never stored; MMA rows do not mix).
-    const int keys = min(kTileKeys, num_keys - tile * kTileKeys);
-    const uint32_t bytes = static_cast<uint32_t>(keys) * kHeadDim;
-    ArriveExpectBytes(&full[stage], bytes);
-    CopyBulk(smem + stage * kPageBytes, p.keys + static_cast<int64_t>(tile) * kTileValueBytes,
-             bytes, &full[stage]);
+    if constexpr (kTmaKeys) {
+      // A whole box always arrives: rows past N (in the last tile) read as zeros, and their results
+      // are never stored (MMA rows do not mix).
+      ArriveExpectBytes(&full[stage], kTileValueBytes);
+      CopyTensor2d(smem + stage * kStageBytes, &keys_map, 0, tile * kTileKeys, &full[stage]);
+    } else {
+      // The last tile may be partial: only its keys are copied (rows past N hold stale bytes whose
+      // results are never stored; MMA rows do not mix).
+      const int keys = min(kTileKeys, num_keys - tile * kTileKeys);
+      const uint32_t bytes = static_cast<uint32_t>(keys) * kHeadDim;
+      ArriveExpectBytes(&full[stage], bytes);
+      CopyBulk(smem + stage * kStageBytes, p.keys + static_cast<int64_t>(tile) * kTileValueBytes,
+               bytes, &full[stage]);
+    }
   };
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) InitBarrier(&full[s], 1);
@@ -543,8 +639,9 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
     for (int s = 0; s < kStages && s < num_loads; ++s) issue(s, load_begin + s);
   }
 
-  const uint64_t query = LoadQuery<L>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
-                                     smem + kSmemBytes, group, valid_rows);
+  const uint64_t query =
+      LoadQuery<L, !kTmaKeys>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
+                              smem + kRaggedRingBytes<kTmaKeys>, group, valid_rows);
   HeadWeights<L> hw;
   LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
                      valid_rows);
@@ -563,7 +660,7 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
     return stores && key < num_keys ? __ldg(p.key_scale + key) : 0.0f;
   };
   float next_scale = load_scale(0);
-  RunTiles<L>(
+  RunTiles<L, kStageBytes, kTmaKeys>(
       query, smem, full, num_loads, mtile, lane, hw,
       [&](int i, const uint8_t*, float value) {
         const int key = (load_begin + i) * kTileKeys + key_in_tile;

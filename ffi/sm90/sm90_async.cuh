@@ -59,4 +59,15 @@ __device__ __forceinline__ void CopyBulk(void* dst, const void* src, uint32_t by
       : "memory");
 }
 
+// One tiled TMA load of the box at coordinates (x, y) (x innermost) of the 2-D tensor `map` describes
+// (a __grid_constant__ kernel parameter or global memory), which completes on `barrier`.
+__device__ __forceinline__ void CopyTensor2d(void* dst, const void* map, int x, int y,
+                                             uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3}], [%4];\n" ::"r"(SmemAddress(dst)),
+      "l"(map), "r"(x), "r"(y), "r"(SmemAddress(barrier))
+      : "memory");
+}
+
 }  // namespace jax_sparse_mla::sm90

@@ -24,4 +24,19 @@ __device__ __forceinline__ uint64_t Descriptor(const void* start, int leading, i
   return descriptor.desc_;
 }
 
+// Descriptor of a K-major wgmma operand at `start` (1024-byte aligned, or a k offset of at most 96
+// bytes from such an address) in the 128-byte swizzle: rows of 128 bytes of K, the 16-byte chunk c
+// of row r stored at chunk c ^ (r % 8), 8-row atoms 1024 bytes apart, as a TMA load with
+// CU_TENSOR_MAP_SWIZZLE_128B writes a box 128 bytes wide. A k-step of 32 bytes starts `32 ks` bytes
+// in: the hardware applies the swizzle to the full address.
+__device__ __forceinline__ uint64_t SwizzledKMajorDescriptor(const void* start) {
+  cute::GmmaDescriptor descriptor;
+  descriptor.desc_ = 0;
+  descriptor.bitfield.start_address_ = static_cast<uint16_t>(SmemAddress(start) >> 4);
+  descriptor.bitfield.leading_byte_offset_ = 1;  // unused: a k-step stays within one 128-byte row
+  descriptor.bitfield.stride_byte_offset_ = 1024 >> 4;
+  descriptor.bitfield.layout_type_ = static_cast<uint8_t>(cute::SM90::GMMA::LayoutType::B128);
+  return descriptor.desc_;
+}
+
 }  // namespace jax_sparse_mla::sm90

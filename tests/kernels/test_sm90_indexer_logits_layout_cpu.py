@@ -1,6 +1,10 @@
 """A per-lane NumPy model of the SM90 indexer logits' warpgroup MMAs
 (ffi/sm90/indexer_logits.cuh: StoreQueryOperand, LoadKeyFragment, WgmmaTile), run on CPU.
 
+Two forms: the paged kernel's, keys as A from registers with a dim permutation shared by A and B,
+and the ragged kernel's, keys as A from shared memory in the 128-byte swizzle (written by a TMA
+load, read through SwizzledKMajorDescriptor) with the query in dim order.
+
 The model moves bytes exactly as the kernel does and combines them exactly as PTX defines the
 instruction: `wgmma.mma_async.m64nNk32.f32.e4m3.e4m3` with A from registers (per warp the m16n8k32
 A fragment: register r of lane (g, t) holds row 16 w + g + 8 (r % 2), k 4 t + 16 (r // 2) + byte)
@@ -112,6 +116,74 @@ def test_a_wrong_word_order_is_caught():
             plain[chunk * 64 * 16 + n * 16:chunk * 64 * 16 + n * 16 + 16] = \
                 query[n, 16 * chunk:16 * chunk + 16]
     assert not np.array_equal(wgmma_register_a(64, plain, tile), tile @ query.T)
+
+
+def store_query_operand_in_dim_order(query: np.ndarray) -> np.ndarray:
+    """StoreQueryOperand<L, false>'s loop: item i = (column n, chunk c) stores the column's bytes
+    [16 c, 16 c + 16) at c * N * 16 + n * 16."""
+    columns = len(query)
+    operand = np.zeros(columns * DIM, np.int64)
+    for i in range(columns * 8):
+        n, chunk = divmod(i, 8)
+        start = chunk * columns * 16 + n * 16
+        operand[start:start + 16] = query[n, 16 * chunk:16 * chunk + 16]
+    return operand
+
+
+def swizzle_128b(address: np.ndarray) -> np.ndarray:
+    """The 128-byte swizzle of TMA (CU_TENSOR_MAP_SWIZZLE_128B) and of wgmma descriptors (layout
+    type B128), on byte offsets from a 1024-byte aligned base: bits 4-6 ^= bits 7-9."""
+    return address ^ (((address >> 7) & 7) << 4)
+
+
+def tma_load_swizzled(tile: np.ndarray) -> np.ndarray:
+    """A 64 x 128-byte box (CopyTensor2d) into a stage: byte b of row r at swizzle(128 r + b)."""
+    stage = np.zeros(TILE_KEYS * DIM, np.int64)
+    r, b = np.meshgrid(np.arange(TILE_KEYS), np.arange(DIM), indexing="ij")
+    stage[swizzle_128b(128 * r + b)] = tile[r, b]
+    return stage
+
+
+def wgmma_shared_a(columns: int, operand: np.ndarray, stage: np.ndarray) -> np.ndarray:
+    """D [64, N] of WgmmaTile::IssueShared's four k-steps: A (m, k) through the swizzled K-major
+    descriptor at stage + 32 ks with SBO 1024 (8-row atoms), B as in the register form."""
+    leading, stride = columns * 16, 128
+    d = np.zeros((TILE_KEYS, columns), np.int64)
+    m, k = np.meshgrid(np.arange(TILE_KEYS), np.arange(32), indexing="ij")
+    n, kb = np.meshgrid(np.arange(columns), np.arange(32), indexing="ij")
+    for ks in range(4):
+        a = stage[swizzle_128b(32 * ks + (m // 8) * 1024 + (m % 8) * 128 + k)]  # [64, 32]
+        start = ks * 2 * columns * 16
+        b = operand[start + (kb // 16) * leading + (n // 8) * stride + (n % 8) * 16 + kb % 16]
+        d += a @ b.T
+    return d
+
+
+@pytest.mark.parametrize("columns", [32, 64, 128])
+def test_shared_key_operand_gives_every_dot_product(columns):
+    rng = np.random.default_rng(columns + 2)
+    query = rng.integers(-7, 8, (columns, DIM))
+    tile = rng.integers(-7, 8, (TILE_KEYS, DIM))
+    d = wgmma_shared_a(columns, store_query_operand_in_dim_order(query), tma_load_swizzled(tile))
+    np.testing.assert_array_equal(d, tile @ query.T)
+
+
+def test_shared_keys_with_the_permuted_query_are_caught():
+    """The model can fail: the register form's permuted query against swizzled shared keys."""
+    rng = np.random.default_rng(3)
+    query = rng.integers(-7, 8, (128, DIM))
+    tile = rng.integers(-7, 8, (TILE_KEYS, DIM))
+    d = wgmma_shared_a(128, store_query_operand(query), tma_load_swizzled(tile))
+    assert not np.array_equal(d, tile @ query.T)
+
+
+def test_unswizzled_keys_are_caught():
+    """The model can fail: a plain (unswizzled) copy of the keys read through the B128 descriptor."""
+    rng = np.random.default_rng(4)
+    query = rng.integers(-7, 8, (64, DIM))
+    tile = rng.integers(-7, 8, (TILE_KEYS, DIM))
+    d = wgmma_shared_a(64, store_query_operand_in_dim_order(query), tile.reshape(-1))
+    assert not np.array_equal(d, tile @ query.T)
 
 
 @pytest.mark.parametrize("columns", [32, 64, 128])
