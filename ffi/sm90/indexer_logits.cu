@@ -70,6 +70,9 @@ cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t b
   using L = Layout<kHeads, kNextN>;
   constexpr auto kKernel = PagedMqaLogitsKernel<L>;
   constexpr int kBytes = kKernelSmemBytes<L>;
+  // The CTAs per SM the kernel is compiled for must fit an SM's 227 KB (1 KB of each CTA's shared
+  // memory is reserved by the system).
+  static_assert(kMinCtasPerSm<L> * (kBytes + 1024) <= 227 * 1024);
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
@@ -84,6 +87,7 @@ cudaError_t LaunchRagged(const RaggedParams& params, const CUtensorMap& keys_map
   using L = Layout<kHeads, kRows, kGroupCols>;
   constexpr auto kKernel = RaggedMqaLogitsKernel<L, kTmaKeys>;
   constexpr int kBytes = kRaggedSmemBytes<L, kTmaKeys>;
+  static_assert(kMinCtasPerSm<L> * (kBytes + 1024) <= 227 * 1024);  // as in LaunchPaged
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
