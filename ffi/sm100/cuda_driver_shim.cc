@@ -9,6 +9,7 @@
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
+#include "common/driver_entry_point.h"
 #include "sm100/driver_dry_run.h"
 
 namespace jax_sparse_mla {
@@ -28,19 +29,6 @@ using jax_sparse_mla::DriverDryRun;
 // Stand-in handles returned in dry-run mode (never dereferenced: nothing reaches the driver).
 int dry_run_handle;
 
-template <typename Fn>
-Fn Resolve(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult status{};
-  // 12000: the ABI version FlashInfer's headers were written against (CUDA 12 signatures).
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &status) !=
-          cudaSuccess ||
-      status != cudaDriverEntryPointSuccess) {
-    return nullptr;
-  }
-  return reinterpret_cast<Fn>(fn);
-}
-
 }  // namespace
 
 // `name` is expanded by cuda.h's versioning macros in the definition (cuModuleGetGlobal ->
@@ -54,7 +42,7 @@ Fn Resolve(const char* name) {
       __VA_ARGS__                                                                    \
     }                                                                                \
     using Fn = CUresult(CUDAAPI*) params;                                            \
-    static const Fn fn = Resolve<Fn>(#name);                                         \
+    static const Fn fn = jax_sparse_mla::ResolveDriverFunction<Fn>(#name);           \
     return fn ? fn args : CUDA_ERROR_NOT_FOUND;                                      \
   }
 

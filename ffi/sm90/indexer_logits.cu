@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <string>
 
+#include "common/driver_entry_point.h"
 #include "sm90/indexer_logits.cuh"
 #include "sm90/indexer_logits.h"
 #include "sm90/sm90_launch.h"
@@ -31,19 +32,10 @@ using sm90::RaiseSharedMemoryLimit;
 
 // The ragged kernel's TMA view of the keys [N, 128] e4m3 (RaggedParams::keys_map), encoded per call
 // on the host (a tensor map holds the buffer's address; a command buffer records it with the
-// launch). The driver function is resolved through the runtime's entry-point query: the extension
-// does not link libcuda, so that it imports on machines without a driver.
+// launch), with the driver's encoder resolved at first use (common/driver_entry_point.h).
 ffi::Error EncodeKeysMap(const char* op, CUtensorMap* map, const void* keys, int64_t num_keys) {
-  static const PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      fn = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
+  static const auto encode =
+      ResolveDriverFunction<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled");
   if (encode == nullptr) {
     return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op +
                                 ": the driver has no cuTensorMapEncodeTiled");
