@@ -25,9 +25,7 @@ next_n = 1, H = 64, k = 2048):
   written (B * L * 4 + B * k * 4); select the keys and the indices.
 Prefill, for a chunk of M = 4096 query rows (the last M tokens of a sequence of N keys, N in {8192,
 65536, 131072}; row i sees keys [0, N - M + i + 1), causal):
-  prefill_logits  fp8_mqa_logits: "native", "auto", and "xla" where N <= --xla-prefill-max-keys;
-                  with --backends tma, the ragged kernel's TMA form called by name
-                  (`sm90_mqa_logits_tma`, not yet picked by "native" or "auto")
+  prefill_logits  fp8_mqa_logits: "native", "auto", and "xla" where N <= --xla-prefill-max-keys
   prefill_topk    top_k_per_row over those rows: "native", "auto", "xla" (same limit), "torch"
                   (torch.topk over the whole width, whose -inf columns stand outside the rows)
   TFLOP/s counts the in-range products, 2 * 64 * 128 * sum_i len_i; GB/s the logits written (fp32).
@@ -74,7 +72,6 @@ PREFILL_CALLS = 6
 # Kernels the --backends of these names call by their registered name: top-k (decode rows) and
 # logits (decode and prefill).
 TOPK_BY_NAME = {"one_cta": "sm90_topk", "one_cta_stream": "sm90_topk_stream"}
-PREFILL_LOGITS_BY_NAME = {"tma": "sm90_mqa_logits_tma"}
 
 
 def registered(op, name):
@@ -219,16 +216,6 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
     queries = [q * (i % 3 + 1) for i in range(PREFILL_SETS)]
     score_sets = None
 
-    def measure_logits(backend, logits):
-        row = record.measure(f"prefill_logits {backend:9s} M={num_rows:4d} N={num_keys:6d}",
-                             lambda: timed(timer, logits, queries, shared, PREFILL_CALLS),
-                             logits_bytes, op="prefill_logits", backend=backend, B=1,
-                             context=num_keys, M=num_rows)
-        row["tflops"] = flop / row["us"] / 1e6 if row["us"] else None
-        record.save()
-        if row["tflops"] is not None:
-            record.log(f"    {row['tflops']:.1f} TFLOP/s")
-
     for backend in [b for b in backends if b in ("native", "auto", "xla")]:
         if backend == "xla" and num_keys > xla_max_keys:
             continue
@@ -241,7 +228,14 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
             return jsm.top_k_per_row(s, starts, ends, k=TOP_K, implementation=backend)
 
         try:
-            measure_logits(backend, logits)
+            row = record.measure(f"prefill_logits {backend:9s} M={num_rows:4d} N={num_keys:6d}",
+                                 lambda: timed(timer, logits, queries, shared, PREFILL_CALLS),
+                                 logits_bytes, op="prefill_logits", backend=backend, B=1,
+                                 context=num_keys, M=num_rows)
+            row["tflops"] = flop / row["us"] / 1e6 if row["us"] else None
+            record.save()
+            if row["tflops"] is not None:
+                record.log(f"    {row['tflops']:.1f} TFLOP/s")
             if score_sets is None:
                 scores = jax.jit(logits)(q, *shared)
                 score_sets = distinct_copies(scores, PREFILL_SETS)
@@ -250,11 +244,6 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
                            lambda: timed(timer, top_k, score_sets, (starts, ends), PREFILL_CALLS),
                            logits_bytes, op="prefill_topk", backend=backend, B=1,
                            context=num_keys, M=num_rows)
-        except (ValueError, RuntimeError) as error:
-            skipped(record.log, backend, error)
-    for backend in [b for b in backends if b in PREFILL_LOGITS_BY_NAME]:
-        try:
-            measure_logits(backend, registered("fp8_mqa_logits", PREFILL_LOGITS_BY_NAME[backend]))
         except (ValueError, RuntimeError) as error:
             skipped(record.log, backend, error)
     if "torch" in backends and score_sets is not None:
@@ -301,8 +290,7 @@ def main(argv=None):
     parser.add_argument("--xla-prefill-max-keys", type=int, default=8192,
                         help="largest N whose prefill rows also run pure JAX (it is slow)")
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
-                        choices=["native", "auto", "xla", "torch", *TOPK_BY_NAME,
-                                 *PREFILL_LOGITS_BY_NAME])
+                        choices=["native", "auto", "xla", "torch", *TOPK_BY_NAME])
     parser.add_argument("--calls", type=int, default=20, help="timed calls per decode row")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")

@@ -42,8 +42,6 @@ nb::dict Registrations() {
   targets["jax_sparse_mla_sm90_paged_mqa_logits"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogits);
   targets["jax_sparse_mla_sm90_mqa_logits"] = EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogits);
-  targets["jax_sparse_mla_sm90_mqa_logits_tma"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogitsTma);
   targets["jax_sparse_mla_sm90_top_k_per_row"] = EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRow);
   targets["jax_sparse_mla_sm90_top_k_per_row_decode"] =
       EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecode);
@@ -79,7 +77,6 @@ std::vector<std::string> CommandBufferTargets() {
   names.push_back("jax_sparse_mla_sm90_fp8_decode");
   names.push_back("jax_sparse_mla_sm90_paged_mqa_logits");
   names.push_back("jax_sparse_mla_sm90_mqa_logits");
-  names.push_back("jax_sparse_mla_sm90_mqa_logits_tma");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode");
   names.push_back("jax_sparse_mla_sm90_top_k_per_row_cluster");

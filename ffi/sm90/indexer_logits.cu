@@ -30,7 +30,7 @@ ffi::Error ArgumentError(const char* op, const std::string& what) {
 
 using sm90::RaiseSharedMemoryLimit;
 
-// The ragged kernel's TMA view of the keys [N, 128] e4m3 (RaggedParams::keys_map), encoded per call
+// The ragged kernel's TMA view of the keys [N, 128] e4m3 (its keys_map parameter), encoded per call
 // on the host (a tensor map holds the buffer's address; a command buffer records it with the
 // launch), with the driver's encoder resolved at first use (common/driver_entry_point.h).
 ffi::Error EncodeKeysMap(const char* op, CUtensorMap* map, const void* keys, int64_t num_keys) {
@@ -73,12 +73,12 @@ cudaError_t LaunchPaged(const PagedParams& params, int64_t num_chunks, int64_t b
   return cudaGetLastError();
 }
 
-template <int kHeads, int kRows, int kGroupCols, bool kTmaKeys>
+template <int kHeads, int kRows, int kGroupCols>
 cudaError_t LaunchRagged(const RaggedParams& params, const CUtensorMap& keys_map,
                          int64_t num_row_blocks, int64_t num_chunks, cudaStream_t stream) {
   using L = Layout<kHeads, kRows, kGroupCols>;
-  constexpr auto kKernel = RaggedMqaLogitsKernel<L, kTmaKeys>;
-  constexpr int kBytes = kRaggedSmemBytes<L, kTmaKeys>;
+  constexpr auto kKernel = RaggedMqaLogitsKernel<L>;
+  constexpr int kBytes = kRaggedSmemBytes<L>;
   static_assert(kMinCtasPerSm<L> * (kBytes + 1024) <= 227 * 1024);  // as in LaunchPaged
   if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
@@ -168,7 +168,6 @@ ffi::Error PagedMqaLogits(cudaStream_t stream,
   return ffi::Error::Success();
 }
 
-template <bool kTmaKeys>
 ffi::Error MqaLogits(cudaStream_t stream,
                      ffi::AnyBuffer q,                    // [M, H, 128] e4m3
                      ffi::AnyBuffer keys,                 // [N, 128] e4m3
@@ -219,16 +218,13 @@ ffi::Error MqaLogits(cudaStream_t stream,
     return ArgumentError(kOp, "tiles_per_cta leaves more than 65535 key chunks");
   }
 
-  RaggedParams params;
-  CUtensorMap keys_map = {};  // the TMA form's view of the keys
-  if constexpr (kTmaKeys) {
-    if (ffi::Error error = EncodeKeysMap(kOp, &keys_map, keys.untyped_data(), num_keys);
-        error.failure()) {
-      return error;
-    }
+  CUtensorMap keys_map;
+  if (ffi::Error error = EncodeKeysMap(kOp, &keys_map, keys.untyped_data(), num_keys);
+      error.failure()) {
+    return error;
   }
+  RaggedParams params;
   params.q = static_cast<const uint8_t*>(q.untyped_data());
-  params.keys = static_cast<const uint8_t*>(keys.untyped_data());
   params.key_scale = key_scale.typed_data();
   params.weights = weights.typed_data();
   params.starts = row_starts.typed_data();
@@ -243,11 +239,11 @@ ffi::Error MqaLogits(cudaStream_t stream,
   constexpr int kRows64 = kRaggedColumns / 64, kRows32 = kRaggedColumns / 32;
   cudaError_t status;
   if (num_heads == 64) {
-    status = LaunchRagged<64, kRows64, 128, kTmaKeys>(params, keys_map, (num_rows + kRows64 - 1) / kRows64,
-                                                      num_chunks, stream);
+    status = LaunchRagged<64, kRows64, 128>(params, keys_map, (num_rows + kRows64 - 1) / kRows64,
+                                            num_chunks, stream);
   } else {
-    status = LaunchRagged<32, kRows32, 64, kTmaKeys>(params, keys_map, (num_rows + kRows32 - 1) / kRows32,
-                                                     num_chunks, stream);
+    status = LaunchRagged<32, kRows32, 64>(params, keys_map, (num_rows + kRows32 - 1) / kRows32,
+                                           num_chunks, stream);
   }
   if (status != cudaSuccess) return LaunchError(kOp, status);
   return ffi::Error::Success();
@@ -284,9 +280,6 @@ namespace logits = jax_sparse_mla::indexer;
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits, logits::PagedMqaLogits,
                               JAX_SPARSE_MLA_PAGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, logits::MqaLogits<false>,
-                              JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
-                              {xla::ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsTma, logits::MqaLogits<true>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits, logits::MqaLogits,
                               JAX_SPARSE_MLA_RAGGED_LOGITS_BINDING,
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -80,8 +80,7 @@ struct PagedParams {
 };
 
 struct RaggedParams {
-  const uint8_t* q;        // [M, H, 128] e4m3
-  const uint8_t* keys;     // [N, 128] e4m3
+  const uint8_t* q;        // [M, H, 128] e4m3 (the keys come through the kernel's tensor map)
   const float* key_scale;  // [N]
   const float* weights;    // [M, H]
   const int32_t* starts;   // [M]
@@ -554,32 +553,25 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
 // kernels/sm90_indexer_logits.py, sizes the grid by the same number).
 inline constexpr int kRaggedColumns = 256;
 
-// Two forms of the ragged kernel. kTmaKeys = false: one bulk copy per tile into stages kPageBytes
-// apart (the paged kernel's ring), keys as register A with the dim permutation. kTmaKeys = true: one
-// TMA load per tile in the 128-byte swizzle into stages of 8192 bytes, 1024-byte aligned as that
-// swizzle needs, and keys as shared-memory A: no fragment loads, no moves assembling A registers.
-// Its shared memory: the ring, its barriers, the query operand, plus up to 1023 bytes to align the
-// ring (the base alignment of dynamic shared memory is not specified).
-template <bool kTmaKeys>
-inline constexpr int kRaggedStageBytes = kTmaKeys ? kTileValueBytes : kPageBytes;
-template <bool kTmaKeys>
-inline constexpr int kRaggedRingBytes = kStages * kRaggedStageBytes<kTmaKeys> + kStages * 8;
-template <class L, bool kTmaKeys>
-inline constexpr int kRaggedSmemBytes =
-    (kTmaKeys ? 1024 : 0) + kRaggedRingBytes<kTmaKeys> + kQueryOperandBytes<L>;
-static_assert(kRaggedRingBytes<true> % 16 == 0 && kRaggedRingBytes<false> == kSmemBytes);
+// The ragged kernel's ring: one TMA load per tile in the 128-byte swizzle into stages of 8192 bytes,
+// 1024-byte aligned as that swizzle needs, read by the MMAs as shared-memory A (no fragment loads,
+// no moves assembling A registers). Its shared memory: the ring, its barriers, the query operand,
+// plus up to 1023 bytes to align the ring (the base alignment of dynamic shared memory is not
+// specified).
+inline constexpr int kRaggedRingBytes = kStages * kTileValueBytes + kStages * 8;
+template <class L>
+inline constexpr int kRaggedSmemBytes = 1024 + kRaggedRingBytes + kQueryOperandBytes<L>;
+static_assert(kRaggedRingBytes % 16 == 0);
 
-// keys_map (read by the TMA form only): the keys [N, 128] e4m3 as a 2-D tensor, boxes of 64 rows x
-// 128 bytes in the 128-byte swizzle (rows past N read as zeros). A parameter of its own, so that
-// __grid_constant__ (TMA needs the map's address) leaves `p`'s code unchanged.
-template <class L, bool kTmaKeys>
+// keys_map: the keys [N, 128] e4m3 as a 2-D tensor, boxes of 64 rows x 128 bytes in the 128-byte
+// swizzle (rows past N read as zeros). A parameter of its own: TMA needs the map's address, which
+// __grid_constant__ gives.
+template <class L>
 __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
     RaggedMqaLogitsKernel(const RaggedParams p, const __grid_constant__ CUtensorMap keys_map) {
-  constexpr int kStageBytes = kRaggedStageBytes<kTmaKeys>;
   extern __shared__ __align__(1024) uint8_t dynamic_smem[];
-  uint8_t* smem = dynamic_smem;
-  if constexpr (kTmaKeys) smem += (1024 - (SmemAddress(dynamic_smem) & 1023)) & 1023;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kStageBytes);
+  uint8_t* smem = dynamic_smem + ((1024 - (SmemAddress(dynamic_smem) & 1023)) & 1023);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kTileValueBytes);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int mtile = warp & 3, group = warp >> 2;
   const int num_keys = p.num_keys;
@@ -618,20 +610,10 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   if (num_loads <= 0) return;
 
   auto issue = [&](int stage, int tile) {
-    if constexpr (kTmaKeys) {
-      // A whole box always arrives: rows past N (in the last tile) read as zeros, and their results
-      // are never stored (MMA rows do not mix).
-      ArriveExpectBytes(&full[stage], kTileValueBytes);
-      CopyTensor2d(smem + stage * kStageBytes, &keys_map, 0, tile * kTileKeys, &full[stage]);
-    } else {
-      // The last tile may be partial: only its keys are copied (rows past N hold stale bytes whose
-      // results are never stored; MMA rows do not mix).
-      const int keys = min(kTileKeys, num_keys - tile * kTileKeys);
-      const uint32_t bytes = static_cast<uint32_t>(keys) * kHeadDim;
-      ArriveExpectBytes(&full[stage], bytes);
-      CopyBulk(smem + stage * kStageBytes, p.keys + static_cast<int64_t>(tile) * kTileValueBytes,
-               bytes, &full[stage]);
-    }
+    // A whole box always arrives: rows past N (in the last tile) read as zeros, and their results
+    // are never stored (MMA rows do not mix).
+    ArriveExpectBytes(&full[stage], kTileValueBytes);
+    CopyTensor2d(smem + stage * kTileValueBytes, &keys_map, 0, tile * kTileKeys, &full[stage]);
   };
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) InitBarrier(&full[s], 1);
@@ -640,8 +622,8 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   }
 
   const uint64_t query =
-      LoadQuery<L, !kTmaKeys>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
-                              smem + kRaggedRingBytes<kTmaKeys>, group, valid_rows);
+      LoadQuery<L, false>(p.q + static_cast<int64_t>(first_row) * L::kHeads * kHeadDim,
+                          smem + kRaggedRingBytes, group, valid_rows);
   HeadWeights<L> hw;
   LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
                      valid_rows);
@@ -660,7 +642,7 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
     return stores && key < num_keys ? __ldg(p.key_scale + key) : 0.0f;
   };
   float next_scale = load_scale(0);
-  RunTiles<L, kStageBytes, kTmaKeys>(
+  RunTiles<L, kTileValueBytes, true>(
       query, smem, full, num_loads, mtile, lane, hw,
       [&](int i, const uint8_t*, float value) {
         const int key = (load_begin + i) * kTileKeys + key_in_tile;

@@ -11,6 +11,3 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90PagedMqaLogits);
 // fp8_mqa_logits (prefill): q [M, H, 128] e4m3, keys [N, 128] e4m3, key scales [N] f32, weights
 // [M, H] f32, row_starts / row_ends [M] i32 -> logits [M, N] f32 (-inf outside [start, end)).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogits);
-// The same op with the keys brought by TMA in the 128-byte swizzle and read by the MMAs from shared
-// memory (RaggedMqaLogitsKernel<L, true>).
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90MqaLogitsTma);

@@ -10,29 +10,26 @@ fp32 accumulation inside each row's range and -inf everywhere else.
           columns past the request's length are written -inf without reading any key.
   ragged  one CTA per (4 rows of 64 heads or 8 of 32, chunk of up to 128 64-key tiles); each
           warpgroup takes two rows (wgmma N = 128 at 64 heads, 64 at 32); only the tiles that
-          meet the union of the rows' ranges are read, and each serves all the CTA's rows.
+          meet the union of the rows' ranges are read, and each serves all the CTA's rows. Each
+          tile comes by a TMA load in the 128-byte swizzle (the handler encodes the keys' tensor
+          map per call) into a 1024-byte aligned ring.
 
-Both run warpgroup MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 natively), keys from registers and
-the query columns from shared memory, and each warpgroup issues tile i + 1's MMAs before it runs
-tile i's epilogue (relu, head weights, the head sum in registers and shuffles, fp32 stores straight
-to the output), so that the tensor cores work meanwhile. next_n of 1 and 2 run natively; larger
-next_n is flattened here into next_n = 1 rows (each row its own length and a copy of its request's
-block-table row; keys are then read once per row).
+Both run warpgroup MMAs (wgmma m64 n(32, 64 or 128) k32, e4m3 natively) with the query columns
+from shared memory; the paged kernel takes the keys from registers (loaded from the page), the
+ragged one straight from the ring (no instruction of the warps touches a key byte). Each warpgroup
+issues tile i + 1's MMAs before it runs tile i's epilogue (relu, head weights, the head sum in
+registers and shuffles, fp32 stores straight to the output), so that the tensor cores work
+meanwhile. next_n of 1 and 2 run natively; larger next_n is flattened here into next_n = 1 rows
+(each row its own length and a copy of its request's block-table row; keys are then read once per
+row).
 
-They passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_logits_gpu.py, racecheck
-and command buffers included) and measured faster than every earlier form of them at every
-benchmarked shape (docs/kernels/sm90-indexer.md): implementation="auto" runs them on SM90.
-
-  ragged, TMA form (`sm90_mqa_logits_tma`, by name only)  the same kernel with each key tile brought
-          by a TMA load in the 128-byte swizzle and read by the MMAs straight from shared memory
-          (no key-fragment loads or register moves: 8% fewer instructions per tile at 64 heads,
-          15% at 32). It has not run on a GPU yet: registered unvalidated and before the form
-          above, so neither "auto" nor "native" picks it; tests and benchmarks call it by name.
+They passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_logits_gpu.py, memcheck,
+racecheck and command buffers included) and measured faster than every earlier form of them at
+every benchmarked shape (docs/kernels/sm90-indexer.md): implementation="auto" runs them on SM90.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import jax
@@ -43,7 +40,6 @@ from . import native, registry
 
 PAGED_TARGET = "jax_sparse_mla_sm90_paged_mqa_logits"
 RAGGED_TARGET = "jax_sparse_mla_sm90_mqa_logits"
-RAGGED_TMA_TARGET = "jax_sparse_mla_sm90_mqa_logits_tma"
 # Query columns (row, head) per CTA of the ragged kernel (kRaggedColumns in indexer_logits.cuh).
 RAGGED_COLUMNS = 256
 # Must match ffi/sm90/indexer_logits.cuh / .cu.
@@ -123,10 +119,9 @@ def _paged_native(q, index_cache, weights, context_lens, block_table, *, max_con
                 tiles_per_cta=np.int64(tiles_per_cta(PAGED_GRID, batch, num_tiles, _sm_count())))
 
 
-def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends, *, target=RAGGED_TARGET):
+def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends):
     """fp8_mqa_logits' kernel contract: q [M, H, 128] e4m3, k_fp8 [N, 128] e4m3, k_scale [N] f32,
-    weights [M, H] f32, row_starts / row_ends [M] i32 -> [M, N] f32. `target`: either form of the
-    ragged kernel (same grid)."""
+    weights [M, H] f32, row_starts / row_ends [M] i32 -> [M, N] f32."""
     num_rows, num_heads, _ = q.shape
     num_keys = k_fp8.shape[0]
     if num_rows == 0 or num_keys == 0:
@@ -136,7 +131,7 @@ def _ragged_native(q, k_fp8, k_scale, weights, row_starts, row_ends, *, target=R
     tiles = tiles_per_cta(RAGGED_GRID, -(-num_rows // rows_per_cta), num_tiles, _sm_count())
     tiles = max(tiles, -(-num_tiles // MAX_GRID_Y))  # at most 65535 key chunks (grid y)
     call = jax.ffi.ffi_call(
-        target, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),
+        RAGGED_TARGET, jax.ShapeDtypeStruct((num_rows, num_keys), jnp.float32),
         vmap_method="sequential")
     return call(q, k_fp8, k_scale, weights, row_starts, row_ends, tiles_per_cta=np.int64(tiles))
 
@@ -172,11 +167,9 @@ def check_paged(problem: registry.IndexerProblem, capability=None) -> str | None
     return None
 
 
-def check_ragged(problem: registry.IndexerProblem, capability=None,
-                 target: str = RAGGED_TARGET) -> str | None:
-    """Why the SM90 ragged-logits kernel (`target`: either form) cannot run `problem` (None when it
-    can)."""
-    reason = _common_reason(problem, capability, target)
+def check_ragged(problem: registry.IndexerProblem, capability=None) -> str | None:
+    """Why the SM90 ragged-logits kernel cannot run `problem` (None when it can)."""
+    reason = _common_reason(problem, capability, RAGGED_TARGET)
     if reason is not None:
         return reason
     expected = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
@@ -188,13 +181,6 @@ def check_ragged(problem: registry.IndexerProblem, capability=None,
 
 
 def _register() -> None:
-    # The TMA form first and unvalidated: later native kernels win, so "native" keeps the form
-    # that passed its GPU tests, and "auto" skips unvalidated kernels.
-    registry.register_op_kernel(registry.OpKernel(
-        op="fp8_mqa_logits", name="sm90_mqa_logits_tma", native=True, capability_majors=(9,),
-        fn=functools.partial(_ragged_native, target=RAGGED_TMA_TARGET),
-        available=lambda: native.has_target(RAGGED_TMA_TARGET),
-        check=functools.partial(check_ragged, target=RAGGED_TMA_TARGET), validated=False))
     for op, fn, check, target in (
             ("fp8_paged_mqa_logits", _paged_native, check_paged, PAGED_TARGET),
             ("fp8_mqa_logits", _ragged_native, check_ragged, RAGGED_TARGET)):

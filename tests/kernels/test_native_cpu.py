@@ -30,7 +30,6 @@ FAMILY_TARGETS = {
         "jax_sparse_mla_sm90_fp8_decode",
         "jax_sparse_mla_sm90_paged_mqa_logits",
         "jax_sparse_mla_sm90_mqa_logits",
-        "jax_sparse_mla_sm90_mqa_logits_tma",
         "jax_sparse_mla_sm90_top_k_per_row",
         "jax_sparse_mla_sm90_top_k_per_row_decode",
         "jax_sparse_mla_sm90_top_k_per_row_cluster",

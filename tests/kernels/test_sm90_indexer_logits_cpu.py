@@ -1,6 +1,6 @@
 """CPU tests of the SM90 indexer logits binding (kernels/sm90_indexer_logits.py): its problem
 checks, its work split, its registration ("auto" and "native" on an SM90 device select it) and,
-with the extension built, that its targets are registered as command-buffer compatible. The
+with the extension built, that both targets are registered as command-buffer compatible. The
 extension tests skip when it is not importable;
 JAX_SPARSE_MLA_REQUIRE_NATIVE=1 turns that skip into a failure.
 """
@@ -17,7 +17,7 @@ from jax_sparse_mla.kernels import sm90_indexer_logits as logits
 from jax_sparse_mla.kernels.registry import IndexerProblem
 from requirements import require_native
 
-TARGETS = {logits.PAGED_TARGET, logits.RAGGED_TARGET, logits.RAGGED_TMA_TARGET}
+TARGETS = {logits.PAGED_TARGET, logits.RAGGED_TARGET}
 PAGED_DTYPES = ("float8_e4m3fn", "uint8", "float32", "int32", "int32")
 RAGGED_DTYPES = ("float8_e4m3fn", "float8_e4m3fn", "float32", "float32", "int32", "int32")
 
@@ -120,31 +120,12 @@ def test_tiles_per_cta_at_the_prefill_points():
                                         ("fp8_mqa_logits", ragged())])
 def test_auto_and_native_select_it_on_sm90(fake_sm90, op, problem):
     kernels = {k.name: k for k in registry.registered_op_kernels(op) if k.native}
-    expected = {"sm90_mqa_logits"} | ({"sm90_mqa_logits_tma"} if op == "fp8_mqa_logits" else set())
-    assert set(kernels) == expected
+    assert set(kernels) == {"sm90_mqa_logits"}
     assert kernels["sm90_mqa_logits"].validated
     assert kernels["sm90_mqa_logits"].capability_majors == (9,)
     assert registry.select_op_kernel(op, "auto", problem).name == "sm90_mqa_logits"
     assert registry.select_op_kernel(op, "native", problem).name == "sm90_mqa_logits"
     assert registry.select_op_kernel(op, "xla", problem).name == "xla"
-
-
-def test_the_tma_form_runs_by_name_only(fake_sm90):
-    """Not run on a GPU yet: unvalidated, so "auto" skips it, and registered before the validated
-    form, so "native" prefers that one; its own check and target still work when called by name."""
-    kernels = [k for k in registry.registered_op_kernels("fp8_mqa_logits") if k.native]
-    assert [k.name for k in kernels] == ["sm90_mqa_logits_tma", "sm90_mqa_logits"]
-    tma = kernels[0]
-    assert not tma.validated and tma.capability_majors == (9,)
-    assert registry.op_rejection_reason(tma, ragged()) is None
-    assert "needs H = 32 or 64" in registry.op_rejection_reason(tma, ragged(num_heads=48))
-    import jax
-    text = jax.jit(tma.fn).lower(
-        jax.ShapeDtypeStruct((5, 64, 128), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((300, 128), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((300,), jnp.float32), jax.ShapeDtypeStruct((5, 64), jnp.float32),
-        jax.ShapeDtypeStruct((5,), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32)).as_text()
-    assert f"@{logits.RAGGED_TMA_TARGET}(" in text
 
 
 def test_the_ops_lower_to_the_targets(fake_sm90):

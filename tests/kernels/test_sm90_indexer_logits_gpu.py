@@ -16,8 +16,7 @@ hold e4m3 NaN values and NaN scales, and block-table entries past each context a
 past the cache, or other requests' blocks), so any read of a masked position would show as NaN or
 a wrong mask. Skipped without an SM90 GPU or without the compiled extension;
 JAX_SPARSE_MLA_REQUIRE_GPU=1 makes that a failure. `test_sanitizer_clean` runs a small grid under
-compute-sanitizer memcheck and racecheck. The prefill cases run both forms of the ragged kernel: the
-one "native" selects and the TMA form, called by name (RAGGED_FORMS).
+compute-sanitizer memcheck and racecheck.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
-from jax_sparse_mla.kernels import registry, sm90_indexer_logits
+from jax_sparse_mla.kernels import sm90_indexer_logits
 from gpu_subprocess import assert_matches_inside_command_buffers, assert_sanitizer_clean
 from requirements import gpu_test_marks, sm90_skip_reason
 
@@ -264,25 +263,13 @@ def ragged_reference(q, k, k_scale, weights, positions):
             scale * (np.abs(w) * np.abs(products).sum(-1)).sum(-1))
 
 
-# The ragged kernel's forms: the one implementation="native" runs, and the TMA form (keys by TMA,
-# read by the MMAs from shared memory), registered unvalidated and called here by name.
-RAGGED_FORMS = ("sm90_mqa_logits", "sm90_mqa_logits_tma")
-
-
-def ragged_form(name):
-    """fp8_mqa_logits through the named kernel (the public op with "native" for the default)."""
-    if name == "sm90_mqa_logits":
-        return functools.partial(jsm.fp8_mqa_logits, implementation="native")
-    return next(k.fn for k in registry.registered_op_kernels("fp8_mqa_logits") if k.name == name)
-
-
-def check_ragged(num_rows, num_keys, heads, kind, seed=0, jit=False, form="sm90_mqa_logits"):
+def check_ragged(num_rows, num_keys, heads, kind, seed=0, jit=False):
     rng = np.random.default_rng(seed + num_rows + num_keys)
     q, k, k_scale, weights, starts, ends = make_ragged(
         rng, num_rows, num_keys, heads, ranges_for(kind, rng, num_rows, num_keys))
     args = tuple(jnp.asarray(x) for x in (q, k, k_scale, weights, starts, ends))
 
-    native_fn = ragged_form(form)
+    native_fn = functools.partial(jsm.fp8_mqa_logits, implementation="native")
     out = (jax.jit(native_fn) if jit else native_fn)(*args)
     ref_out = jsm.fp8_mqa_logits(*args, implementation="xla")
     columns = np.arange(num_keys)[None, :]
@@ -312,16 +299,14 @@ RAGGED_GRID = [
 ]
 
 
-@pytest.mark.parametrize("form", RAGGED_FORMS)
 @pytest.mark.parametrize("num_rows,num_keys,heads,kind", RAGGED_GRID)
-def test_ragged_matches_references(num_rows, num_keys, heads, kind, form):
-    check_ragged(num_rows, num_keys, heads, kind, form=form)
+def test_ragged_matches_references(num_rows, num_keys, heads, kind):
+    check_ragged(num_rows, num_keys, heads, kind)
 
 
-@pytest.mark.parametrize("form", RAGGED_FORMS)
 @pytest.mark.parametrize("heads", [32, 64])
-def test_ragged_under_jit(heads, form):
-    check_ragged(41, 700, heads, "random", seed=4, jit=True, form=form)
+def test_ragged_under_jit(heads):
+    check_ragged(41, 700, heads, "random", seed=4, jit=True)
 
 
 @pytest.mark.parametrize("tiles", [1, 2, 3, 4, 5, 7])
@@ -331,9 +316,8 @@ def test_every_count_of_tiles_per_cta(tiles, monkeypatch):
     monkeypatch.setattr(sm90_indexer_logits, "tiles_per_cta", lambda *_: tiles)
     check_paged(3, 1, 64, [1000, 448, 1], 1024, seed=tiles)
     check_paged(2, 2, 32, [1000, 200], 1024, seed=tiles)
-    for form in RAGGED_FORMS:
-        check_ragged(9, 1000, 64, "causal", seed=tiles, form=form)
-        check_ragged(11, 900, 32, "random", seed=tiles, form=form)
+    check_ragged(9, 1000, 64, "causal", seed=tiles)
+    check_ragged(11, 900, 32, "random", seed=tiles)
 
 
 # --- compute-sanitizer ----------------------------------------------------------------------------
@@ -343,8 +327,7 @@ MEMCHECK_SCRIPT = textwrap.dedent("""
     for shape in cases.MEMCHECK_PAGED:
         cases.check_paged(*shape)
     for shape in cases.MEMCHECK_RAGGED:
-        for form in cases.RAGGED_FORMS:
-            cases.check_ragged(*shape, form=form)
+        cases.check_ragged(*shape)
     print("MEMCHECK GRID PASSED")
 """)
 MEMCHECK_PAGED = [(3, 2, 64, [0, 1, 130], 192), (4, 1, 32, [64, 65, 3, 256], 256),
@@ -373,8 +356,6 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
     ragged = tuple(jnp.asarray(x) for x in cases.make_ragged(
         rng, 9, 300, 32, cases.ranges_for("causal", rng, 9, 300)))
 
-    tma = cases.ragged_form("sm90_mqa_logits_tma")
-
     def loop(impl):
         def run(paged, ragged):
             q, cache, weights, lengths, table = paged
@@ -384,20 +365,16 @@ COMMAND_BUFFER_SCRIPT = textwrap.dedent("""
                 a = jsm.fp8_paged_mqa_logits(q, cache, weights, lengths - i, table,
                                              max_context_len=256, implementation=impl)
                 b = jsm.fp8_mqa_logits(*ragged[:5], ragged[5] - i, implementation=impl)
-                c = (tma(*ragged[:5], ragged[5] - i) if impl == "native" else
-                     jsm.fp8_mqa_logits(*ragged[:5], ragged[5] - i, implementation=impl))
                 return (acc[0] + jnp.where(jnp.isneginf(a), 0.0, a),
-                        acc[1] + jnp.where(jnp.isneginf(b), 0.0, b),
-                        acc[2] + jnp.where(jnp.isneginf(c), 0.0, c))
-            zeros = (jnp.zeros((8, 256), jnp.float32), jnp.zeros((9, 300), jnp.float32),
-                     jnp.zeros((9, 300), jnp.float32))
+                        acc[1] + jnp.where(jnp.isneginf(b), 0.0, b))
+            zeros = (jnp.zeros((8, 256), jnp.float32), jnp.zeros((9, 300), jnp.float32))
             return jax.lax.fori_loop(0, 3, body, zeros)
         return jax.jit(run)(paged, ragged)
 
     native, reference = loop("native"), loop("xla")
     close = all(cases.calc_diff(np.asarray(x), np.asarray(y)) < 1e-3
                 for x, y in zip(native, reference))
-    targets = (logits.PAGED_TARGET, logits.RAGGED_TARGET, logits.RAGGED_TMA_TARGET)
+    targets = (logits.PAGED_TARGET, logits.RAGGED_TARGET)
     from gpu_subprocess import custom_calls_in_command_buffers
     custom_calls, captured, _ = custom_calls_in_command_buffers(sys.argv[1], targets)
     print("RESULT", close, custom_calls, captured)
