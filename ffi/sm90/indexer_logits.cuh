@@ -174,10 +174,10 @@ __device__ __forceinline__ void LoadKeyChunk(uint32_t (&words)[8], const uint8_t
   words[4] = hi.x, words[5] = hi.y, words[6] = hi.z, words[7] = hi.w;
 }
 
-// The warp's head sums from its accumulators (acc[n][0..1]: key g, columns 2t, 2t + 1 of n8 tile n;
-// acc[n][2..3]: key g + 8, same columns): lo[r] / hi[r] = sum over the heads of the warp's row r of
-// w * relu(q . k), complete in every lane of the quad. Two instructions per accumulator (relu,
-// then a fused multiply-add into the row's sum).
+// The quad's share of the warp's head sums from its accumulators (acc[n][0..1]: key g, columns 2t,
+// 2t + 1 of n8 tile n; acc[n][2..3]: key g + 8, same columns): lo[r] / hi[r] = this thread's part of
+// the sum over the heads of the warp's row r of w * relu(q . k). Two instructions per accumulator
+// (relu, then a fused multiply-add into the row's sum).
 template <class L>
 __device__ __forceinline__ void HeadSums(const float (&acc)[L::kNTiles][4],
                                          const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
@@ -192,13 +192,29 @@ __device__ __forceinline__ void HeadSums(const float (&acc)[L::kNTiles][4],
     hi[r] = fmaf(hw.w[n][0], Relu(acc[n][2]), hi[r]);
     hi[r] = fmaf(hw.w[n][1], Relu(acc[n][3]), hi[r]);
   }
-#pragma unroll
-  for (int r = 0; r < L::kWarpRows; ++r) {
-    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 1);
-    lo[r] += __shfl_xor_sync(0xffffffffu, lo[r], 2);
-    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 1);
-    hi[r] += __shfl_xor_sync(0xffffffffu, hi[r], 2);
+}
+
+// Completes the sums across the quad and returns the one lane t stores: row t / 2 of the warp, key
+// g + 8 (t % 2) of the m16 tile (lanes with t >= 2 kWarpRows return a value they do not store). A
+// reduce-scatter: each exchange sends the partner the half of the values it keeps, so 2 x 2 values
+// cost 3 shuffles and 3 adds (summing all four in every lane, then picking one, would cost 8 and 8).
+template <class L>
+__device__ __forceinline__ float QuadResult(const float (&lo)[L::kWarpRows],
+                                            const float (&hi)[L::kWarpRows], int t) {
+  float low = lo[0], high = hi[0];  // this lane's row: row t / 2 (row 0 where there is one)
+  if constexpr (L::kWarpRows == 2) {
+    // Across lanes t and t ^ 2: lanes with t < 2 keep row 0 and send row 1, the others the reverse.
+    const bool upper = (t & 2) != 0;
+    const float send_lo = upper ? lo[0] : lo[1], send_hi = upper ? hi[0] : hi[1];
+    low = (upper ? lo[1] : lo[0]) + __shfl_xor_sync(0xffffffffu, send_lo, 2);
+    high = (upper ? hi[1] : hi[0]) + __shfl_xor_sync(0xffffffffu, send_hi, 2);
+  } else {
+    low += __shfl_xor_sync(0xffffffffu, low, 2);
+    high += __shfl_xor_sync(0xffffffffu, high, 2);
   }
+  // Across lanes t and t ^ 1: even lanes keep key g (low) and send key g + 8, odd lanes the reverse.
+  const bool odd = (t & 1) != 0;
+  return (odd ? high : low) + __shfl_xor_sync(0xffffffffu, odd ? low : high, 1);
 }
 
 // Key rows g and g + 8 of the warp's m16 tile (16 * mtile + [0, 16)) of the tile at `tile` (64 rows
@@ -358,27 +374,16 @@ struct WgmmaTile {
     cute::warpgroup_commit_batch();
   }
 
-  __device__ __forceinline__ void Sums(const HeadWeights<L>& hw, float (&lo)[L::kWarpRows],
-                                       float (&hi)[L::kWarpRows]) {
+  // The value lane t of the quad stores (QuadResult).
+  __device__ __forceinline__ float Sums(const HeadWeights<L>& hw, int t) {
     float(&d)[L::kNTiles * 4] = reinterpret_cast<float(&)[L::kNTiles * 4]>(acc);
 #pragma unroll
     for (int i = 0; i < L::kNTiles * 4; ++i) cute::warpgroup_fence_operand(d[i]);
+    float lo[L::kWarpRows], hi[L::kWarpRows];
     HeadSums<L>(acc, hw, lo, hi);
+    return QuadResult<L>(lo, hi, t);
   }
 };
-
-// Lane t of a quad stores one of the quad's 2 x kWarpRows results: row t / 2 of the warp, key
-// g + 8 * (t % 2) of the m16 tile (lanes with t >= 2 * kWarpRows store nothing).
-template <class L>
-__device__ __forceinline__ float PickResult(const float (&lo)[L::kWarpRows],
-                                            const float (&hi)[L::kWarpRows], int t) {
-  float v = 0.0f;
-#pragma unroll
-  for (int r = 0; r < L::kWarpRows; ++r) {
-    if (t >> 1 == r) v = (t & 1) ? hi[r] : lo[r];
-  }
-  return v;
-}
 
 // ---- decode: paged logits -----------------------------------------------------------------------
 
@@ -402,7 +407,7 @@ __device__ __forceinline__ uint64_t LoadQuery(const uint8_t* q_cta, uint8_t* ope
 // The tile loop of both kernels over the CTA's num_loads tiles in the ring (tile i in stage
 // i % kStages, kStageBytes apart, complete when full[stage] flips; kSharedKeys: the MMAs read the
 // keys from the stage, else from registers loaded from it): per tile, `epilogue(i, page, value)` stores the
-// lane's result (PickResult), then the CTA synchronises and `refill(i)` may refill the stage (every
+// lane's result (QuadResult), then the CTA synchronises and `refill(i)` may refill the stage (every
 // warp is done with it). Tile i + 1's MMAs are issued before tile i's epilogue, which then runs
 // while they execute. `query`: the warpgroup's B descriptor (LoadQuery).
 template <class L, int kStageBytes, bool kSharedKeys, class Epilogue, class Refill>
@@ -413,8 +418,8 @@ __device__ __forceinline__ void RunTiles(uint64_t query,
   const int t = lane & 3;
   auto page = [&](int i) { return stages + (i % kStages) * kStageBytes; };
   auto wait = [&](int i) { WaitBarrier(&full[i % kStages], (i / kStages) & 1); };
-  auto finish = [&](int i, const float(&lo)[L::kWarpRows], const float(&hi)[L::kWarpRows]) {
-    epilogue(i, page(i), PickResult<L>(lo, hi, t));
+  auto finish = [&](int i, float value) {
+    epilogue(i, page(i), value);
     __syncthreads();  // every warp is done with this stage (its MMAs that read it have retired)
     refill(i);
   };
@@ -438,11 +443,7 @@ __device__ __forceinline__ void RunTiles(uint64_t query,
       tile.Issue(keys, page(i), mtile, lane, query);
     }
   };
-  auto sums_and_finish = [&](int i, WgmmaTile<L>& tile) {
-    float lo[L::kWarpRows], hi[L::kWarpRows];
-    tile.Sums(hw, lo, hi);
-    finish(i, lo, hi);
-  };
+  auto sums_and_finish = [&](int i, WgmmaTile<L>& tile) { finish(i, tile.Sums(hw, t)); };
   issue(0, even);
   int i = 0;
   for (; i + 2 < num_loads; i += 2) {
@@ -479,7 +480,8 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   extern __shared__ __align__(128) uint8_t smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kPageBytes);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int mtile = warp & 3, group = warp >> 2;
+  // Uniform in the compiler's eyes (the ragged kernel says why).
+  const int mtile = warp & 3, group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int batch_index = blockIdx.y;
   const int width = p.width;
   const int num_tiles = (width + kTileKeys - 1) / kTileKeys;
@@ -522,7 +524,7 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   HeadWeights<L> hw;
   LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
                      L::kRows);
-  const int t = lane & 3;  // the lane's result (PickResult): warp row t / 2, key offset 8 (t % 2)
+  const int t = lane & 3;  // the lane's result (QuadResult): warp row t / 2, key offset 8 (t % 2)
   const bool stores = t < 2 * L::kWarpRows;
   const int row = group * L::kWarpRows + (t >> 1);  // row j of the request
   // Row j sees [0, L - next_n + j + 1).
@@ -573,7 +575,10 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   uint8_t* smem = dynamic_smem + ((1024 - (SmemAddress(dynamic_smem) & 1023)) & 1023);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + kStages * kTileValueBytes);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int mtile = warp & 3, group = warp >> 2;
+  // The warpgroup index through a shuffle from lane 0: the compiler then knows it is the same in
+  // every lane (as CUTLASS's canonical_warp_group_idx does), so the query descriptor derived from
+  // it stays in uniform registers instead of being moved there for every wgmma.
+  const int mtile = warp & 3, group = __shfl_sync(0xffffffffu, tid / 128, 0);
   const int num_keys = p.num_keys;
   const int first_row = blockIdx.x * L::kRows;
   const int valid_rows = min(L::kRows, p.num_rows - first_row);
@@ -627,7 +632,7 @@ __global__ void __launch_bounds__(L::kThreads, (kMinCtasPerSm<L>))
   HeadWeights<L> hw;
   LoadHeadWeights<L>(hw, p.weights + static_cast<int64_t>(first_row) * L::kHeads, group, lane,
                      valid_rows);
-  const int t = lane & 3;  // the lane's result (PickResult): warp row t / 2, key offset 8 (t % 2)
+  const int t = lane & 3;  // the lane's result (QuadResult): warp row t / 2, key offset 8 (t % 2)
   const int row = group * L::kWarpRows + (t >> 1);  // row of the CTA
   const bool stores = t < 2 * L::kWarpRows && row < valid_rows;
   const int start = stores ? p.starts[first_row + row] : 0;

@@ -12,7 +12,8 @@ and B from shared memory through an unswizzled K-major descriptor (element (n, k
 start + (k // 16) * LBO + (n // 8) * SBO + (n % 8) * 16 + k % 16), with the kernel's start, LBO and
 SBO for each k-step. It checks that every accumulator is the dot product of its key and query column
 over the 128 real dims (the dim permutation of A and B agree), for every operand width (32, 64 and
-128 columns), and that the accumulator layout is the one HeadSums reads. Bytes stand for e4m3
+128 columns), that the accumulator layout is the one HeadSums reads, and that QuadResult's
+reduce-scatter across a quad gives each lane the whole sum of the row and key it stores. Bytes stand for e4m3
 values as small integers: the question is where each byte goes, not the arithmetic.
 """
 
@@ -199,3 +200,33 @@ def test_accumulator_layout_is_the_one_head_sums_reads(columns):
                 n, j = divmod(i, 4)
                 head_sums = (16 * warp + g + 8 * (j // 2), 8 * n + 2 * t + j % 2)
                 assert wgmma == head_sums
+
+
+def quad_result(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """QuadResult for the 4 lanes of a quad: lo, hi [4 lanes, warp rows] (each lane's partial head
+    sums) -> the value each lane returns, with __shfl_xor_sync(v, m) read as lane t ^ m's v."""
+    rows = lo.shape[1]
+    lanes = np.arange(4)
+    if rows == 2:
+        upper = (lanes & 2) != 0
+        send_lo = np.where(upper, lo[:, 0], lo[:, 1])
+        send_hi = np.where(upper, hi[:, 0], hi[:, 1])
+        low = np.where(upper, lo[:, 1], lo[:, 0]) + send_lo[lanes ^ 2]
+        high = np.where(upper, hi[:, 1], hi[:, 0]) + send_hi[lanes ^ 2]
+    else:
+        low = lo[:, 0] + lo[lanes ^ 2, 0]
+        high = hi[:, 0] + hi[lanes ^ 2, 0]
+    odd = (lanes & 1) != 0
+    return np.where(odd, high, low) + np.where(odd, low, high)[lanes ^ 1]
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_quad_result_is_the_stored_rows_whole_sum(rows):
+    """Lane t stores row t / 2 of the warp, key g + 8 (t % 2) (the epilogues' `row` and
+    `key_in_tile`): its value must be that row's and key's sum over all four lanes' partials."""
+    rng = np.random.default_rng(rows)
+    lo, hi = rng.standard_normal((2, 4, rows))
+    result = quad_result(lo, hi)
+    for t in range(2 * rows):
+        partials = hi if t % 2 else lo
+        np.testing.assert_allclose(result[t], partials[:, t // 2].sum(), rtol=1e-12)
