@@ -340,25 +340,20 @@ def main(argv=None) -> dict:
           f"{check_tokens} tokens: max relative error {error:.2e} (tolerance {tolerance:.0e}), top-k counts "
           f"{'ok' if counts_ok else 'WRONG'} -> {'PASS' if ok else 'FAIL'}")
 
-    # The step takes the parameters as a flat list and returns the next positions: jit flattens an
-    # nnx.State through Python on every call (tens of µs per step) but a list in C++, and a
-    # separate `positions + 1` would be one more dispatch per step.
-    params, params_def = jax.tree.flatten(state)
-
-    def decode(params, tokens, positions, caches):
+    def decode(state, tokens, positions, caches):
         metadata = step_metadata(layout, config, decode_req_ids, positions, decode_lens)
-        model = nnx.merge(graphdef, jax.tree.unflatten(params_def, params))
-        logits, caches, topks = model(tokens, positions, caches, metadata)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), positions + 1, caches, topks
+        logits, caches, topks = nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches, topks
 
     decode_step = jax.jit(decode, donate_argnums=3)
-    # compile + first token
-    tokens, positions, caches, topks = decode_step(params, tokens, positions, caches)
-    tokens.block_until_ready()
-    generated = [np.asarray(tokens)]
+    tokens_out, caches, topks = decode_step(state, tokens, positions, caches)  # compile + first token
+    tokens_out.block_until_ready()
+    generated = [np.asarray(tokens_out)]
+    tokens, positions = tokens_out, positions + 1
     start = time.perf_counter()
     for _ in tqdm(range(args.new_tokens - 1), desc="decode", unit="step"):
-        tokens, positions, caches, topks = decode_step(params, tokens, positions, caches)
+        tokens, caches, topks = decode_step(state, tokens, positions, caches)
+        positions = positions + 1
         generated.append(tokens)
     tokens.block_until_ready()
     step_seconds = (time.perf_counter() - start) / max(args.new_tokens - 1, 1)
@@ -367,7 +362,8 @@ def main(argv=None) -> dict:
         # taken without it): the trace holds each kernel's device time.
         with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
             for _ in range(traced_steps):
-                tokens, positions, caches, topks = decode_step(params, tokens, positions, caches)
+                tokens, caches, topks = decode_step(state, tokens, positions, caches)
+                positions = positions + 1
             tokens.block_until_ready()
         print(f"trace: {traced_steps} decode steps traced into {args.trace_dir}")
 
