@@ -28,9 +28,9 @@
 // runs tile i's epilogue, so that the tensor cores work while it runs (RunTiles).
 //
 // Why the paged kernel keeps register A: its pages (values, then the 64 scales) come whole by one
-// bulk copy, which cannot swizzle, and decode is bound by memory, not by issue slots. Loading key
-// fragments costs the prefill kernel, which is bound by issue, about a fifth of its instructions
-// (docs/kernels/sm90-indexer.md).
+// bulk copy, which cannot swizzle, and decode is bound by memory, not by issue slots. In the prefill
+// kernel, which is bound by issue, loading key fragments took about a fifth of its instructions
+// (docs/kernels/sm90-indexer.md), hence its shared-memory A.
 //
 // Dim permutation (register A): a dot product does not depend on the order of its 128 terms, so the
 // MMA's logical K index need not be the memory dim, as long as A and B use the same map. We let
