@@ -33,17 +33,20 @@ DEFAULT_WEIGHT_BLOCK_SIZE = (128, 128)
 # transposed, and are the tensors a block-fp8 checkpoint may quantise. The output rows are already
 # in the order the layer reshapes them (as transformers' modeling_deepseek_v32 / glm_moe_dsa view
 # them): q_b_proj [H, qk_nope | qk_rope], kv_a_proj_with_mqa [kv_c (kv_lora_rank) | k_pe (qk_rope)],
-# kv_b_proj [H, qk_nope | v_head], indexer.wq_b [index_n_heads, index_head_dim], so no permutation.
+# indexer.wq_b [index_n_heads, index_head_dim], so no permutation.
 LINEAR_WEIGHTS: dict[str, tuple[str, ...]] = {
     "q_a_proj.weight": ("wq_a", "kernel"),
     "q_b_proj.weight": ("wq_b", "kernel"),
     "kv_a_proj_with_mqa.weight": ("wkv_a", "kernel"),
-    "kv_b_proj.weight": ("wkv_b", "kernel"),
     "o_proj.weight": ("wo", "kernel"),
     "indexer.wq_b.weight": ("indexer", "wq_b", "kernel"),
     "indexer.wk.weight": ("indexer", "wk", "kernel"),
     "indexer.weights_proj.weight": ("indexer", "weights_proj", "kernel"),
 }
+# kv_b_proj [H (qk_nope + v_head), kv_lora_rank], per head its k_nope rows then its v rows (as
+# transformers views it), is the one Linear weight stored per head: split into the layer's
+# w_uk [kv_lora_rank, H, qk_nope] and w_uv [kv_lora_rank, H, v_head] (vLLM's W_UK and W_UV).
+KV_B_PROJ = "kv_b_proj.weight"
 # Norm parameters: vectors, copied as stored (never quantised).
 VECTORS: dict[str, tuple[str, ...]] = {
     "q_a_layernorm.weight": ("q_norm", "scale"),
@@ -234,7 +237,8 @@ def load_attention_weights(layer: MLASparseAttention, checkpoint: str | os.PathL
       q_b_proj.weight [H (qk_nope + qk_rope), q_lora_rank] -> wq_b.kernel (transposed)
       kv_a_proj_with_mqa.weight [kv_lora_rank + qk_rope, D] -> wkv_a.kernel (transposed)
       kv_a_layernorm.weight [kv_lora_rank] -> kv_norm.scale
-      kv_b_proj.weight [H (qk_nope + v_head), kv_lora_rank] -> wkv_b.kernel (transposed)
+      kv_b_proj.weight [H (qk_nope + v_head), kv_lora_rank] -> w_uk [kv_lora_rank, H, qk_nope] and
+        w_uv [kv_lora_rank, H, v_head] (each head's first qk_nope rows, then its v_head rows)
       o_proj.weight [D, H v_head] -> wo.kernel (transposed)
       indexer.wq_b.weight [index_n_heads index_head_dim, q_lora_rank] -> indexer.wq_b.kernel (transposed)
       indexer.wk.weight [index_head_dim, D] -> indexer.wk.kernel (transposed)
@@ -260,7 +264,8 @@ def load_attention_weights(layer: MLASparseAttention, checkpoint: str | os.PathL
         # Our Linears have no bias (DeepSeek-V3.2 and GLM-5 have attention_bias false); a
         # checkpoint with biases would load wrong silently if they were skipped.
         biases = sorted(name for name in (prefix + suffix.removesuffix("weight") + "bias"
-                                          for suffix in LINEAR_WEIGHTS) if name in source.names)
+                                          for suffix in (*LINEAR_WEIGHTS, KV_B_PROJ))
+                        if name in source.names)
         if biases:
             raise ValueError(f"{source.listing} has Linear biases {biases}, which MLASparseAttention "
                              "does not have (attention_bias must be false).")
@@ -273,6 +278,13 @@ def load_attention_weights(layer: MLASparseAttention, checkpoint: str | os.PathL
             kernel = _param(layer, path)[...]
             weight = _linear_weight(source, prefix + suffix, tuple(kernel.shape[::-1]))
             values[path] = weight.astype(kernel.dtype).T
+        w_uk, w_uv = layer.w_uk[...], layer.w_uv[...]
+        kv_lora_rank, num_heads, qk_nope = w_uk.shape
+        weight = _linear_weight(source, prefix + KV_B_PROJ,
+                                (num_heads * (qk_nope + w_uv.shape[-1]), kv_lora_rank))
+        per_head = weight.reshape(num_heads, -1, kv_lora_rank).transpose(2, 0, 1)
+        values[("w_uk",)] = per_head[..., :qk_nope].astype(w_uk.dtype)
+        values[("w_uv",)] = per_head[..., qk_nope:].astype(w_uv.dtype)
         for suffix, path in VECTORS.items():
             if path[0] == "indexer" and not has_indexer:
                 continue

@@ -173,6 +173,12 @@ def _linear(in_features: int, out_features: int, rngs: nnx.Rngs, dtype) -> nnx.L
                       rngs=rngs)
 
 
+def _absorbed(kv_lora_rank: int, num_heads: int, head_dim: int, rngs: nnx.Rngs, dtype) -> nnx.Param:
+    """[kv_lora_rank, H, head_dim], initialised as a Linear of kv_lora_rank inputs would be."""
+    init = nnx.initializers.lecun_normal(in_axis=0, out_axis=(1, 2))
+    return nnx.Param(init(rngs.params(), (kv_lora_rank, num_heads, head_dim), dtype))
+
+
 def hadamard_rotate(x: jax.Array) -> jax.Array:
     """DeepSeek's reference `rotate_activation`: x [..., 128] -> (H_128 x) / sqrt(128), H the Sylvester
     (natural-order) Walsh-Hadamard matrix, H[i, j] = (-1)^popcount(i & j). Orthonormal, so exact dot
@@ -403,7 +409,12 @@ class MLASparseAttention(nnx.Module):
         self.wkv_a = _linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim, rngs, dtype)
         self.kv_norm = nnx.RMSNorm(c.kv_lora_rank, epsilon=c.rms_norm_eps, dtype=dtype,
                                    param_dtype=dtype, rngs=rngs)
-        self.wkv_b = _linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), rngs, dtype)
+        # kv_b_proj held as vLLM holds it after loading: W_UK and W_UV, each its own parameter in the
+        # layout its einsum reads. Sliced per step out of one [kv_lora_rank, H (qk_nope + v_head)]
+        # kernel, they were copied out by XLA in every step (2 x 16 MB per layer at DeepSeek-V3.2's
+        # shapes, 19 us on an H100).
+        self.w_uk = _absorbed(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim, rngs, dtype)
+        self.w_uv = _absorbed(c.kv_lora_rank, c.num_heads, c.v_head_dim, rngs, dtype)
         self.wo = _linear(c.num_heads * c.v_head_dim, c.hidden_size, rngs, dtype)
         self.indexer = None if shared_indexer else Indexer(c, rngs=rngs, dtype=dtype,
                                                              implementation=indexer_implementation)
@@ -429,10 +440,8 @@ class MLASparseAttention(nnx.Module):
         return kv_c.astype(jnp.bfloat16), k_pe.astype(jnp.bfloat16)
 
     def absorbed_weights(self) -> tuple[jax.Array, jax.Array]:
-        """(W_UK [kv_lora_rank, H, qk_nope], W_UV [kv_lora_rank, H, v_head_dim]) split from wkv_b."""
-        c = self.config
-        w = self.wkv_b.kernel[...].reshape(c.kv_lora_rank, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
-        return w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+        """(W_UK [kv_lora_rank, H, qk_nope], W_UV [kv_lora_rank, H, v_head_dim]): kv_b_proj per head."""
+        return self.w_uk[...], self.w_uv[...]
 
     def __call__(self, x: jax.Array, positions: jax.Array, cache: LayerCache,
                  metadata: FlashInferMLASparseMetadata,

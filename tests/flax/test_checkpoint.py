@@ -25,13 +25,14 @@ CONFIG = dataclasses.replace(TINY, hidden_size=320)
 
 # Written out here rather than taken from the module, so that a wrong name or target there fails:
 # HF name after the prefix -> (the nnx parameter's path, whether it is a Linear weight [out, in]).
+# kv_b_proj is held per head as two parameters, w_uk and w_uv ("w_uk|w_uv": see `value`).
 EXPECTED = {
     "q_a_proj.weight": ("wq_a.kernel", True),
     "q_a_layernorm.weight": ("q_norm.scale", False),
     "q_b_proj.weight": ("wq_b.kernel", True),
     "kv_a_proj_with_mqa.weight": ("wkv_a.kernel", True),
     "kv_a_layernorm.weight": ("kv_norm.scale", False),
-    "kv_b_proj.weight": ("wkv_b.kernel", True),
+    "kv_b_proj.weight": ("w_uk|w_uv", True),
     "o_proj.weight": ("wo.kernel", True),
     "indexer.wq_b.weight": ("indexer.wq_b.kernel", True),
     "indexer.wk.weight": ("indexer.wk.kernel", True),
@@ -95,6 +96,15 @@ def param(layer, path):
     return node
 
 
+def value(layer, path):
+    """The parameter at `path`; for "w_uk|w_uv" the [kv_lora_rank, H (qk_nope + v_head)] kernel that
+    a Linear kv_b_proj would have: per head, W_UK's columns then W_UV's."""
+    if path == "w_uk|w_uv":
+        w_uk, w_uv = layer.w_uk[...], layer.w_uv[...]
+        return jnp.concatenate([w_uk, w_uv], -1).reshape(w_uk.shape[0], -1)
+    return param(layer, path)[...]
+
+
 def as_f32(array):
     return np.asarray(jnp.asarray(array, jnp.float32))
 
@@ -112,11 +122,11 @@ def save_sharded(folder, tensors, shards):
 def assert_loaded_exactly(layer, expected_hf):
     """Every parameter equals its HF tensor (Linear weights transposed) cast to the param's dtype."""
     for suffix, (path, linear) in EXPECTED.items():
-        value = param(layer, path)[...]
+        loaded = value(layer, path)
         source = np.asarray(expected_hf[suffix])
         source = source.T if linear else source
-        assert value.shape == source.shape, path
-        np.testing.assert_array_equal(as_f32(value), source.astype(value.dtype).astype(np.float32),
+        assert loaded.shape == source.shape, path
+        np.testing.assert_array_equal(as_f32(loaded), source.astype(loaded.dtype).astype(np.float32),
                                       err_msg=path)
 
 
@@ -289,14 +299,14 @@ def test_wrong_shape_names_the_tensor_and_leaves_the_layer_unchanged(tmp_path):
     tensors[name] = np.ascontiguousarray(tensors[name].T)  # [in, out]: a transpose too many
     safetensors_numpy.save_file(tensors, tmp_path / "model.safetensors")
     layer = new_layer()
-    before = {path: as_f32(param(layer, path)[...]) for path, _ in EXPECTED.values()}
+    before = {path: as_f32(value(layer, path)) for path, _ in EXPECTED.values()}
     shape, expected = tensors[name].shape, tensors[name].shape[::-1]
     with pytest.raises(ValueError, match=rf"{name}.*{shape}.*expected {expected}".replace("(", r"\(")
                        .replace(")", r"\)")):
         load_attention_weights(layer, tmp_path, 0)
-    # Tensors before kv_b_proj were read fine, yet nothing was set.
-    for path, value in before.items():
-        np.testing.assert_array_equal(as_f32(param(layer, path)[...]), value, err_msg=path)
+    # Every other tensor was read fine, yet nothing was set.
+    for path, unchanged in before.items():
+        np.testing.assert_array_equal(as_f32(value(layer, path)), unchanged, err_msg=path)
 
 
 def test_wrong_norm_shape(tmp_path):
@@ -360,5 +370,5 @@ def test_shared_indexer_layer_reads_no_indexer_tensors(tmp_path, with_indexer_te
         if suffix.startswith("indexer."):
             continue
         source = np.asarray(tensors[prefix(0) + suffix])
-        np.testing.assert_array_equal(as_f32(param(layer, path)[...]),
+        np.testing.assert_array_equal(as_f32(value(layer, path)),
                                       (source.T if linear else source).astype(np.float32), err_msg=path)

@@ -43,8 +43,7 @@ def dense_mla_numpy(layer, x, positions, cache, slots, selection):
     q_nope, q_pe = f64(q_nope), f64(q_pe)
     rows = f64(cache.kv_cache).reshape(-1, 576)[slots]  # [S, 576] in position order
     kv_c, k_pe = rows[:, :512], rows[:, 512:]
-    w = f64(layer.wkv_b.kernel[...]).reshape(512, c.num_heads, c.qk_nope_head_dim + c.v_head_dim)
-    w_uk, w_uv = w[..., : c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
+    w_uk, w_uv = f64(layer.w_uk[...]), f64(layer.w_uv[...])
     heads = np.zeros((x.shape[0], c.num_heads, c.v_head_dim))
     for t, keys in enumerate(selection):
         for h in range(c.num_heads):
@@ -119,8 +118,9 @@ def test_shared_indexer_layer_attends_over_the_given_selection(layer):
     full layer's output; it has no indexer and keeps no index cache."""
     shared = MLASparseAttention(TINY, rngs=nnx.Rngs(0), implementation="xla", shared_indexer=True)
     assert shared.indexer is None
-    for name in ("wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wkv_b", "wo"):
+    for name in ("wq_a", "q_norm", "wq_b", "wkv_a", "kv_norm", "wo"):
         nnx.update(getattr(shared, name), nnx.state(getattr(layer, name)))
+    shared.w_uk[...], shared.w_uv[...] = layer.absorbed_weights()
     num_tokens = 300  # more than top-k 128: the selection matters
     x, positions, y_full, cache_full, topk, slots = prefill_one_request(layer, num_tokens, seed=3)
     width = -(-num_tokens // BLOCK_SIZE)
