@@ -107,7 +107,10 @@ ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_r
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(num_rows * plan.ctas));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(plan.groups_capacity) * sizeof(uint4);
+  // The leader's candidate lists after the keys (TopKClusterKernel's GatherToLeader), where they fit.
+  const int64_t key_bytes = plan.groups_capacity * static_cast<int64_t>(sizeof(uint4));
+  config.dynamicSmemBytes = static_cast<size_t>(
+      key_bytes + (key_bytes + kCandidateBytes <= kMaxClusterKeyBytes ? kCandidateBytes : 0));
   config.stream = stream;
   cudaLaunchAttribute cluster;
   cluster.id = cudaLaunchAttributeClusterDimension;

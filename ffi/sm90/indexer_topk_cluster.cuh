@@ -47,12 +47,121 @@ constexpr int kLoadBatch = 4;
 constexpr int kCompactGroups = 4;
 
 struct alignas(16) ClusterShared {
-  uint32_t hist[2][kBins];  // pass p uses hist[p % 2]; read as uint4 by other CTAs
+  union {
+    uint32_t hist[2][kBins];  // pass p uses hist[p % 2]; read as uint4 by other CTAs
+    // The leader's state for refining the gathered candidates (GatherToLeader): used once no
+    // other CTA reads this CTA's histograms any more.
+    Shared leader;
+  };
   uint32_t warp_sums[kWarps];
+  uint32_t cta_candidates[kWarps][kMaxClusterSize];  // warp w's share of each CTA's candidates
   Threshold chosen;
   uint32_t kept_above;  // this CTA's keys above the threshold, read by the CTAs after it
   uint32_t kept_ties;   // this CTA's keys tied with the threshold, likewise
 };
+
+static_assert(sizeof(Shared) <= sizeof(uint32_t) * 2 * kBins, "the leader's state fits the histograms");
+
+// Whether the candidate lists fit after the keys: kCandidateBytes more dynamic shared memory than
+// `chunk_bytes` (the most any CTA of this row's cluster keeps for its keys), which the host adds
+// where the plan's chunk leaves room for it (LaunchCluster). The same in every CTA of a cluster.
+__device__ __forceinline__ bool HasCandidateRoom(int64_t chunk_bytes) {
+  uint32_t dynamic_bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dynamic_bytes));
+  return chunk_bytes + kCandidateBytes <= static_cast<int64_t>(dynamic_bytes);
+}
+
+// After the first pass: every CTA counts its keys that can still be kept ((key & mask) >= prefix)
+// from the histograms it has just read (`remote`: its 4 bins of every CTA's), so that all CTAs know
+// each CTA's count without another exchange. If they number at most kCandidateCapacity, each CTA
+// writes its own, in position order, into the leader's (rank 0's) candidate lists at its place
+// after the CTAs before it, one cluster barrier makes them visible, and the leader alone ends the
+// select over them (the later passes and the compaction of the one-CTA kernel, no cluster rounds).
+// The ordered candidates are cut into kWarps contiguous lists of at most kCandidatesPerWarp, the
+// layout of the one-CTA kernel's gather. Returns false (every CTA alike) where they are too many,
+// for the cluster passes to go on. Every thread of every CTA calls it.
+__device__ __forceinline__ bool GatherToLeader(
+    const cooperative_groups::cluster_group& cluster, const uint4 (&remote)[kMaxClusterSize],
+    int lowest_bin, const RadixState& state, bool decided, const uint32_t* keys, int lo, int hi,
+    int64_t first_position, uint32_t* candidate_smem, ClusterShared& smem, int k, int32_t* out) {
+  const uint32_t rank = cluster.block_rank();
+  const uint32_t ctas = cluster.num_blocks();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t first_bin = state.prefix >> PassShift(0);
+  // This thread's bins lowest_bin .. lowest_bin + 3 are remote[q].x .. .w; summed over the CTA.
+#pragma unroll
+  for (int q = 0; q < kMaxClusterSize; ++q) {
+    uint32_t mine = 0u;
+    if (q < ctas) {
+      const uint32_t bins[4] = {remote[q].x, remote[q].y, remote[q].z, remote[q].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) mine += lowest_bin + j >= static_cast<int>(first_bin) ? bins[j] : 0u;
+    }
+    mine = __reduce_add_sync(0xFFFFFFFFu, mine);
+    if (lane == 0) smem.cta_candidates[warp][q] = mine;
+  }
+  __syncthreads();
+  uint32_t total = 0u, before = 0u;  // candidates in all CTAs, in the CTAs before this one
+  for (int q = 0; q < static_cast<int>(ctas); ++q) {
+    uint32_t count = 0u;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) count += smem.cta_candidates[w][q];
+    before += q < static_cast<int>(rank) ? count : 0u;
+    total += count;
+  }
+  if (total > static_cast<uint32_t>(kCandidateCapacity)) return false;  // the same in every CTA
+
+  // Position order: warp w walks its contiguous slice of the slots [lo, hi) 32 at a time.
+  const int per_warp = (hi - lo + kWarps - 1) / kWarps;
+  const int begin = min(hi, lo + warp * per_warp), end = min(hi, begin + per_warp);
+  auto is_candidate = [&](int s) { return s < end && (keys[s] & state.mask) >= state.prefix; };
+  uint32_t warp_count = 0u;
+  for (int base = begin; base < end; base += 32) {
+    warp_count += __popc(__ballot_sync(0xFFFFFFFFu, is_candidate(base + lane)));
+  }
+  uint32_t ignored;
+  // BlockExclusiveSum over threads: only lane 0 of each warp contributes.
+  uint32_t slot = before + BlockExclusiveSum(lane == 0 ? warp_count : 0u, smem.warp_sums, &ignored);
+  slot = __shfl_sync(0xFFFFFFFFu, slot, 0);
+  const uint32_t per_list = (total + kWarps - 1) / kWarps;  // <= kCandidatesPerWarp
+  uint32_t* leader_keys = cluster.map_shared_rank(candidate_smem, 0);
+  int32_t* leader_positions =
+      reinterpret_cast<int32_t*>(cluster.map_shared_rank(candidate_smem, 0)) + kCandidateCapacity;
+  const uint32_t lt = LaneMaskLt();
+  for (int base = begin; base < end; base += 32) {
+    const int s = base + lane;
+    const bool kept = is_candidate(s);
+    const uint32_t ballot = __ballot_sync(0xFFFFFFFFu, kept);
+    if (kept) {
+      const uint32_t i = slot + __popc(ballot & lt);
+      const uint32_t entry = (i / per_list) * kCandidatesPerWarp + i % per_list;
+      leader_keys[entry] = keys[s];
+      leader_positions[entry] = static_cast<int32_t>(first_position + s);
+    }
+    slot += __popc(ballot);
+  }
+  cluster.sync();  // the candidates are in the leader's lists; no CTA reads another's memory again
+  if (rank != 0) return true;
+
+  Shared& leader = smem.leader;
+  if (threadIdx.x < kWarps) {
+    const int64_t filled = static_cast<int64_t>(total) - static_cast<int64_t>(threadIdx.x) * per_list;
+    leader.candidate_counts[threadIdx.x] =
+        static_cast<uint32_t>(min(max(filled, int64_t{0}), static_cast<int64_t>(per_list)));
+  }
+  __syncthreads();
+  const Candidates candidates{candidate_smem, reinterpret_cast<int32_t*>(candidate_smem) +
+                                                  kCandidateCapacity};
+  RadixState refined = state;
+#pragma unroll 1
+  for (int pass = 1; pass < kNumPasses && !decided; ++pass) {
+    decided = RadixPass(pass, &refined, &leader, [&](uint32_t* hist) {
+      CountCandidates(candidates, leader, refined, pass, hist);
+    });
+  }
+  CompactCandidates(candidates, &leader, refined, static_cast<uint32_t>(k), out);
+  return true;
+}
 
 // grid (R * C), clusters of C along x: cluster r selects row r; dynamic shared memory of
 // 16 * groups_capacity bytes, groups_capacity >= ceil(groups / C) for every row (the host's plan).
@@ -89,6 +198,10 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
   const int hi = static_cast<int>(
       max(int64_t{0}, min(static_cast<int64_t>(n_groups) * kVec, len - first_position)));
 
+  // The candidate lists (GatherToLeader), after the largest chunk of keys, where the host left room.
+  const bool candidate_room = HasCandidateRoom(per_cta * 16);
+  uint32_t* candidate_smem = reinterpret_cast<uint32_t*>(
+      reinterpret_cast<uint8_t*>(key_groups) + (candidate_room ? per_cta * 16 : 0));
   // hist[1] is cleared after the first pass's barrier, like every next pass's buffer.
   for (int i = threadIdx.x; i < kBins; i += kThreads) smem.hist[0][i] = 0u;
   __syncthreads();
@@ -165,7 +278,13 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
       }
     }
     // The same sums in every CTA, so every CTA chooses the same bin and exits at the same pass.
-    if (ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen)) break;
+    const bool decided = ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen);
+    if (pass == 0 && candidate_room &&
+        GatherToLeader(cluster, remote, lowest_bin, state, decided, keys, lo, hi, first_position,
+                       candidate_smem, smem, k, out)) {
+      return;
+    }
+    if (decided) break;
   }
 
   // 3. Compaction. This CTA's counts, published for the CTAs after it.
