@@ -16,7 +16,10 @@
 //     CTA sums the C histograms through distributed shared memory (each thread its 4 bins from each
 //     CTA, the C loads in flight together) and finds the same threshold bin, so all CTAs agree
 //     without a second barrier. Histograms are double-buffered: a CTA clears the buffer of the
-//     next pass right after the barrier, when every CTA has finished reading it;
+//     next pass right after the barrier, when every CTA has finished reading it. After the first
+//     pass, where the keys that can still be kept fit the one-CTA kernel's candidate lists, every
+//     CTA writes its own into rank 0's lists and rank 0 alone ends the select over them
+//     (GatherToLeader: one more cluster barrier instead of two passes and step 3);
 //  3. compaction: each CTA counts its keys above the threshold and tied with it; one cluster
 //     barrier; each CTA sums the counts of the CTAs before it (lower positions), which is where its
 //     kept positions start in the output, then writes them in position order exactly as the
@@ -25,7 +28,8 @@
 // A row of at most k positions writes 0 .. len - 1 and then -1 without reading its logits, each CTA
 // a share of the k slots. The kernel never leaves a CTA's shared memory to be read after it exits:
 // the last remote read (the counts) is followed by a cluster arrive, and each CTA waits on that
-// barrier before it returns.
+// barrier before it returns; on the leader's path, the barrier after the candidates' writes is the
+// last remote access.
 #pragma once
 
 #include <cooperative_groups.h>

@@ -21,8 +21,9 @@ each thread's groups into registers; the streaming build ("sm90_topk_stream", on
 each warp stream its slice of the row through two 4 KB stages of shared memory filled by the copy
 engine (cp.async.bulk), so that 64 KB per CTA are in flight while the warps count or gather. The
 cluster form (`ffi/sm90/indexer_topk_cluster.cuh`, "sm90_topk_cluster") gives the same array with
-one row spread over a thread-block cluster of up to 8 CTAs, the row read once into shared memory
-and every pass run there (rows of at most MAX_CLUSTER_WIDTH positions).
+one row spread over a thread-block cluster of up to 8 CTAs, the row read once into shared memory,
+the first pass run cluster-wide and, where they fit, the candidates it leaves refined on one CTA
+(rows of at most MAX_CLUSTER_WIDTH positions).
 
 All three passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_topk_gpu.py, memcheck,
 racecheck and command buffers included). "native" prefers the cluster form wherever it fits, then
@@ -65,10 +66,10 @@ MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
 # 14.1 vs 15.6).
 ONE_CTA_MAX_WIDTH = 8192
 # Wider rows, at most this many: "auto" runs the cluster form, where it fits one wave; more rows run
-# the streaming build (one H100, one run, µs, cluster vs streaming build: 8 x 65536 21.4 vs 32.8,
-# 16 x 65536 32.7 vs 32.0, 32 x 65536 36.9 vs 33.1; 16 x 131072 41.9 vs 43.7, 32 x 131072 57.5 vs
-# 47.6).
-CLUSTER_MAX_ROWS = 16
+# the streaming build (one H100, one run, µs, cluster vs streaming build: 24 x 65536 19.9 vs 32.4,
+# 32 x 65536 34.0 vs 33.3, 48 x 65536 33.6 vs 33.7; 24 x 131072 34.3 vs 47.3, 32 x 131072 57.1 vs
+# 47.5: from 32 rows the clusters of 4 no longer fit one wave).
+CLUSTER_MAX_ROWS = 24
 
 
 def min_cluster_size(width: int) -> int:
@@ -129,7 +130,7 @@ def cluster_slower_here(problem: registry.IndexerProblem) -> str | None:
                 f"kernel measured faster (H100, 32 x 8192: 9.9 vs 20.3 us)")
     if problem.num_rows > CLUSTER_MAX_ROWS:
         return (f"{problem.num_rows} rows > {CLUSTER_MAX_ROWS}, where the one-CTA kernel's "
-                f"streaming build measured faster (H100, 32 x 65536: 33.1 vs 36.9 us)")
+                f"streaming build measured faster (H100, 32 x 131072: 47.5 vs 57.1 us)")
     ctas = min_cluster_size(problem.num_keys)
     sm_count = registry.device_sm_count()
     if problem.num_rows * ctas > sm_count:

@@ -4,8 +4,10 @@
 * a NumPy model of the kernel's algorithm, step for step (the float4 groups with the row start's
   lead, the split into C chunks, the per-CTA histograms summed over the cluster, the threshold bin
   of each pass and the early exit, the per-CTA counts that place each CTA's output, the ordered
-  compaction), against the float64 NumPy rule (tests/reference.py) on adversarial rows for every
-  cluster size and lead;
+  compaction; after the first pass, the candidates' counts from the histograms, their layout in
+  the leader's lists and the leader's refinement), against the float64 NumPy rule
+  (tests/reference.py) on adversarial rows for every cluster size and lead, with and without the
+  leader;
 * the host plan (ffi/sm90/indexer_topk_plan.h, compiled from that header as host C++): every row
   fits the chunks it is given, the grid grows only within one wave, and it accepts exactly the
   widths the Python check accepts;
@@ -41,9 +43,45 @@ def order_keys(values: np.ndarray) -> np.ndarray:
     return np.where((bits & 0x7FFFFFFF) > 0x7F800000, np.uint32(1), keys)
 
 
-def cluster_top_k_model(row: np.ndarray, lead: int, k: int, ctas: int) -> np.ndarray:
+# The leader's candidate lists (kWarps lists of kCandidatesPerWarp in indexer_topk.cuh).
+LISTS, LIST_CAPACITY = 16, 512
+
+
+def leader_lists(chunks, first_bin: int):
+    """GatherToLeader's layout: each CTA's candidate count from the histograms (bins >= first_bin),
+    and the entries each CTA writes, in position order after the CTAs before it, into LISTS
+    contiguous lists of per_list = ceil(total / LISTS). Returns (keys, positions) read back list by
+    list as the leader reads them, or None when the candidates number more than the lists hold."""
+    counts = [int((np.bincount(keys >> 21, minlength=BINS)[first_bin:]).sum()) for _, keys in chunks]
+    total = sum(counts)
+    if total > LISTS * LIST_CAPACITY:
+        return None
+    per_list = -(-total // LISTS)
+    assert per_list <= LIST_CAPACITY
+    list_keys = np.zeros(LISTS * LIST_CAPACITY, np.int64)
+    list_positions = np.full(LISTS * LIST_CAPACITY, -1, np.int64)
+    written = np.zeros(LISTS * LIST_CAPACITY, bool)
+    before = 0
+    for (positions, keys), count in zip(chunks, counts):
+        kept = (keys >> 21) >= first_bin
+        assert kept.sum() == count  # the histograms' count is the CTA's
+        index = before + np.arange(count)
+        entry = (index // per_list) * LIST_CAPACITY + index % per_list
+        assert not written[entry].any()
+        written[entry] = True
+        list_keys[entry], list_positions[entry] = keys[kept], positions[kept]
+        before += count
+    list_counts = [min(max(total - w * per_list, 0), per_list) for w in range(LISTS)]
+    read = np.concatenate([w * LIST_CAPACITY + np.arange(c) for w, c in enumerate(list_counts)])
+    assert written.sum() == total == len(read) and written[read].all()
+    return list_keys[read].astype(np.uint32), list_positions[read]
+
+
+def cluster_top_k_model(row: np.ndarray, lead: int, k: int, ctas: int,
+                        leader: bool = True) -> np.ndarray:
     """One row of len positions (its start `lead` floats past a 16-byte boundary) through C CTAs,
-    as TopKClusterKernel computes it; int64 [k]."""
+    as TopKClusterKernel computes it; int64 [k]. leader: the candidates go to the leader after the
+    first pass where the lists hold them (the host left room), else every pass runs cluster-wide."""
     length = len(row)
     if length <= k:
         return np.concatenate([np.arange(length), np.full(k - length, -1)])
@@ -60,7 +98,7 @@ def cluster_top_k_model(row: np.ndarray, lead: int, k: int, ctas: int) -> np.nda
         chunks.append((positions, order_keys(row[positions])))
     prefix = mask = 0
     remaining = k
-    for shift, digit_mask in PASSES:
+    for pass_index, (shift, digit_mask) in enumerate(PASSES):
         hist = np.zeros(BINS, np.int64)
         for _, keys in chunks:  # each CTA's histogram, summed over the cluster
             matching = keys[(keys & mask) == prefix]
@@ -70,7 +108,14 @@ def cluster_top_k_model(row: np.ndarray, lead: int, k: int, ctas: int) -> np.nda
         remaining -= int(above[chosen])
         prefix |= chosen << shift
         mask |= digit_mask << shift
-        if hist[chosen] == remaining:
+        decided = hist[chosen] == remaining
+        if pass_index == 0 and leader:
+            gathered = leader_lists(chunks, chosen)
+            if gathered is not None:  # the leader ends the select over the candidates alone
+                chunks = [(gathered[1], gathered[0])]
+                if not decided:
+                    return one_cta_refine(chunks[0], k, prefix, mask, remaining)
+        if decided:
             break
     out = np.full(k, -1, np.int64)
     above_seen = ties_seen = 0  # in the CTAs before this one
@@ -85,6 +130,29 @@ def cluster_top_k_model(row: np.ndarray, lead: int, k: int, ctas: int) -> np.nda
         out[slots[kept]] = positions[kept]
         above_seen += int(is_above.sum())
         ties_seen += int(is_tie.sum())
+    return out
+
+
+def one_cta_refine(candidates, k: int, prefix: int, mask: int, remaining: int) -> np.ndarray:
+    """The leader's later passes and compaction over the candidates in position order (the one-CTA
+    kernel's CountCandidates, RadixPass and CompactCandidates); int64 [k]."""
+    positions, keys = candidates
+    for shift, digit_mask in PASSES[1:]:
+        matching = keys[(keys & mask) == prefix]
+        hist = np.bincount((matching >> shift) & digit_mask, minlength=BINS)
+        above = np.concatenate([np.cumsum(hist[::-1])[::-1][1:], [0]])
+        chosen = int(np.flatnonzero((above < remaining) & (above + hist >= remaining))[0])
+        remaining -= int(above[chosen])
+        prefix |= chosen << shift
+        mask |= digit_mask << shift
+        if hist[chosen] == remaining:
+            break
+    is_above, is_tie = (keys & mask) > prefix, (keys & mask) == prefix
+    ties_before = np.cumsum(is_tie) - is_tie
+    kept = is_above | (is_tie & (ties_before < remaining))
+    slots = np.cumsum(is_above) - is_above + np.minimum(ties_before, remaining)
+    out = np.full(k, -1, np.int64)
+    out[slots[kept]] = positions[kept]
     return out
 
 
@@ -122,13 +190,30 @@ def adversarial_row(rng: np.random.Generator, case: int, width: int) -> np.ndarr
 @pytest.mark.parametrize("lead", [0, 1, 3])
 @pytest.mark.parametrize("width,k", [(5000, 2048), (20001, 2048), (2049, 2048), (37, 5),
                                      (65536, 2048), (9, 1)])
-def test_model_matches_the_rule(ctas, lead, width, k):
+@pytest.mark.parametrize("leader", [True, False])
+def test_model_matches_the_rule(ctas, lead, width, k, leader):
     rng = np.random.default_rng(ctas * 1000 + lead * 100 + width + k)
     for case in range(10):
         row = adversarial_row(rng, case, width)
         expected = top_k_np(row, 0, width, k)
-        np.testing.assert_array_equal(cluster_top_k_model(row, lead, k, ctas), expected,
+        np.testing.assert_array_equal(cluster_top_k_model(row, lead, k, ctas, leader), expected,
                                       err_msg=f"case {case}")
+
+
+def test_model_takes_both_paths_after_the_first_pass():
+    """The grid above reaches the leader's lists (normal rows) and the cluster passes (a tie-heavy
+    row whose threshold bin holds more than the lists)."""
+    rng = np.random.default_rng(0)
+    normal = order_keys(adversarial_row(rng, 0, 65536))
+    tied = order_keys(adversarial_row(rng, 7, 65536))
+    positions = np.arange(65536)
+
+    def first_bin(keys):
+        hist = np.bincount(keys >> 21, minlength=BINS)
+        return int(np.flatnonzero(np.cumsum(hist[::-1])[::-1] >= 2048)[-1])
+
+    assert leader_lists([(positions, normal)], first_bin(normal)) is not None
+    assert leader_lists([(positions, tied)], first_bin(tied)) is None
 
 
 def test_model_rows_shorter_than_the_cluster():
@@ -233,20 +318,20 @@ def test_registered_validated_with_a_shape_rule(op):
 
 
 @pytest.mark.parametrize("op", sorted(OPS))
-@pytest.mark.parametrize("width,rows", [(2048, 1), (8192, 32), (8192, 128), (8193, 1), (8193, 16),
-                                        (8193, 17), (65536, 16), (65536, 17), (65536, 132),
-                                        (65536, 133), (131072, 16), (131072, 34), (327677, 16),
+@pytest.mark.parametrize("width,rows", [(2048, 1), (8192, 32), (8192, 128), (8193, 1), (8193, 24),
+                                        (8193, 25), (65536, 24), (65536, 25), (65536, 132),
+                                        (65536, 133), (131072, 24), (131072, 34), (327677, 16),
                                         (327677, 17), (327677, 200)])
 def test_auto_picks_the_form_that_measured_fastest(fake_sm90, monkeypatch, op, width, rows):
     """native prefers the cluster wherever it fits. auto: the register build for rows of at most
-    8192 positions and for more rows than SMs (132 here); the cluster for wider rows, at most 16
+    8192 positions and for more rows than SMs (132 here); the cluster for wider rows, at most 24
     of them, whose smallest clusters fit one wave; the streaming build for the other wide rows."""
     monkeypatch.setattr(registry, "device_sm_count", lambda: 132)
     call = problem(op, num_keys=width, num_rows=rows)
     assert registry.select_op_kernel(op, "native", call).name == "sm90_topk_cluster"
     if width <= 8192 or rows > 132:
         want = "sm90_topk"
-    elif rows <= 16 and rows * topk.min_cluster_size(width) <= 132:
+    elif rows <= 24 and rows * topk.min_cluster_size(width) <= 132:
         want = "sm90_topk_cluster"
     else:
         want = "sm90_topk_stream"
@@ -285,8 +370,8 @@ def test_shape_rule_says_why(monkeypatch):
     assert topk.cluster_slower_here(problem("top_k_per_row", num_keys=8193)) is None
     why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=4096))
     assert "4096 <= 8192" in why and "one-CTA kernel measured faster" in why
-    why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=17))
-    assert "17 rows > 16" in why and "streaming build measured faster" in why
+    why = topk.cluster_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=25))
+    assert "25 rows > 24" in why and "streaming build measured faster" in why
     assert topk.stream_slower_here(problem("top_k_per_row", num_keys=65536, num_rows=132)) is None
     why = topk.stream_slower_here(problem("top_k_per_row", num_keys=8192, num_rows=8))
     assert "8192 <= 8192" in why and "register build measured faster" in why
