@@ -3,8 +3,11 @@
 // One launch each; no host synchronisation, no allocation, no scratch.
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <string>
 
 #include "sm90/indexer_topk.cuh"
@@ -69,12 +72,6 @@ cudaError_t LaunchPerRowKernel(const TopKParams& params, int64_t num_rows, cudaS
   return cudaGetLastError();
 }
 
-cudaError_t SmCount(int* num_sms) {
-  int device = 0;
-  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
-}
-
 // One CTA per row: the register build (two CTAs per SM) or, with kStream, the streaming build (one
 // CTA per SM, the row streamed through shared memory), each at every row count ("auto" picks the
 // build per shape: kernels/sm90_indexer_topk.py).
@@ -86,23 +83,65 @@ ffi::Error LaunchPerRow(const char* op, const TopKParams& params, int64_t num_ro
   return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
 }
 
+// Fills `config`'s cluster attribute (`attribute`) for clusters of `ctas`.
+void SetClusterSize(cudaLaunchConfig_t* config, cudaLaunchAttribute* attribute, int ctas) {
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = static_cast<unsigned>(ctas);
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  config->attrs = attribute;
+  config->numAttrs = 1;
+}
+
+// The clusters of 1, 2, 4 and 8 CTAs of TopKClusterKernel that this device runs at once, asked of
+// the occupancy calculator once per device (the kernel's shared-memory limit raised first).
+cudaError_t MaxActiveClusters(ActiveClusters& active) {
+  static std::mutex mutex;
+  static std::map<int, std::array<int, 4>> known;
+  int device = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto found = known.find(device);
+  if (found == known.end()) {
+    std::array<int, 4> counts{};
+    for (int i = 0; i < 4; ++i) {
+      cudaLaunchConfig_t config = {};
+      cudaLaunchAttribute attribute;
+      config.gridDim = dim3(static_cast<unsigned>(kMaxClusterSize));
+      config.blockDim = dim3(kThreads);
+      config.dynamicSmemBytes = kMaxClusterDynamicBytes;
+      SetClusterSize(&config, &attribute, 1 << i);
+      if (cudaError_t status = cudaOccupancyMaxActiveClusters(&counts[i], TopKClusterKernel, &config);
+          status != cudaSuccess) {
+        return status;
+      }
+    }
+    found = known.emplace(device, counts).first;
+  }
+  for (int i = 0; i < 4; ++i) active[i] = found->second[i];
+  return cudaSuccess;
+}
+
 // One cluster per row.
 ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_rows,
                          cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
-  int num_sms = 0;
-  if (cudaError_t status = SmCount(&num_sms); status != cudaSuccess) return LaunchError(op, status);
+  if (cudaError_t status =
+          sm90::RaiseSharedMemoryLimit<TopKClusterKernel, kMaxClusterDynamicBytes>();
+      status != cudaSuccess) {
+    return LaunchError(op, status);
+  }
+  ActiveClusters active;
+  if (cudaError_t status = MaxActiveClusters(active); status != cudaSuccess) {
+    return LaunchError(op, status);
+  }
   ClusterPlan plan;
-  if (!PlanCluster(num_rows, params.width, num_sms, &plan)) {
+  if (!PlanCluster(num_rows, params.width, active, &plan)) {
     return ArgumentError(op, "rows of " + std::to_string(params.width) +
                                  " positions do not fit one cluster's shared memory");
   }
   if (num_rows * plan.ctas > kInt32Max) {
     return ArgumentError(op, "R x cluster size must be below 2^31");
-  }
-  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<TopKClusterKernel, kMaxClusterKeyBytes>();
-      status != cudaSuccess) {
-    return LaunchError(op, status);
   }
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(num_rows * plan.ctas));
@@ -110,15 +149,10 @@ ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_r
   // The leader's candidate lists after the keys (TopKClusterKernel's GatherToLeader), where they fit.
   const int64_t key_bytes = plan.groups_capacity * static_cast<int64_t>(sizeof(uint4));
   config.dynamicSmemBytes = static_cast<size_t>(
-      key_bytes + (key_bytes + kCandidateBytes <= kMaxClusterKeyBytes ? kCandidateBytes : 0));
+      key_bytes + (key_bytes + kCandidateBytes <= kMaxClusterDynamicBytes ? kCandidateBytes : 0));
   config.stream = stream;
   cudaLaunchAttribute cluster;
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = static_cast<unsigned>(plan.ctas);
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
+  SetClusterSize(&config, &cluster, plan.ctas);
   const cudaError_t status = cudaLaunchKernelEx(&config, TopKClusterKernel, params);
   return status == cudaSuccess ? ffi::Error::Success() : LaunchError(op, status);
 }

@@ -29,8 +29,8 @@ All three passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_top
 racecheck and command buffers included). "native" prefers the cluster form wherever it fits, then
 the streaming build. "auto" runs, per shape, the one that measured fastest on an H100: the register
 build for rows of at most ONE_CTA_MAX_WIDTH positions and for more rows than SMs (prefill); the
-cluster form for wider rows, at most CLUSTER_MAX_ROWS of them, whose clusters fit one wave (decode
-at small batch); the streaming build for the other wide rows. The numbers are in
+cluster form for wider rows, at most CLUSTER_MAX_ROWS of them, whose smallest clusters take at most
+CLUSTER_SM_SHARE of the SMs (decode at small and middle batch); the streaming build for the other wide rows. The numbers are in
 docs/kernels/sm90-indexer.md.
 """
 
@@ -65,11 +65,14 @@ MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
 # build vs cluster: 1 x 8192 9.6 vs 12.7 vs 12.7, 32 x 8192 9.9 vs 13.1 vs 20.3, 128 x 8192 10.6 vs
 # 14.1 vs 15.6).
 ONE_CTA_MAX_WIDTH = 8192
-# Wider rows, at most this many: "auto" runs the cluster form, where it fits one wave; more rows run
-# the streaming build (one H100, one run, µs, cluster vs streaming build: 24 x 65536 19.9 vs 32.4,
-# 32 x 65536 34.0 vs 33.3, 48 x 65536 33.6 vs 33.7; 24 x 131072 34.3 vs 47.3, 32 x 131072 57.1 vs
-# 47.5: from 32 rows the clusters of 4 no longer fit one wave).
-CLUSTER_MAX_ROWS = 24
+# Wider rows, at most this many, whose smallest clusters fill at most CLUSTER_SM_SHARE of the SMs:
+# "auto" runs the cluster form; other wide rows run the streaming build. Clusters are placed within
+# GPCs, so not every SM takes one: 32 rows of 131072 (clusters of at least 4 CTAs, 128 CTAs on 132
+# SMs) took two waves. One H100, one run, µs, cluster vs streaming build: 16 x 65536 19.8 vs 32.1,
+# 32 x 65536 29.9 vs 33.2, 48 x 65536 32.2 vs 33.9 (96 CTAs); 24 x 131072 32.1 vs 47.2 (96 CTAs),
+# 32 x 131072 51.8 vs 47.7 (128 CTAs).
+CLUSTER_MAX_ROWS = 48
+CLUSTER_SM_SHARE = 0.75
 
 
 def min_cluster_size(width: int) -> int:
@@ -123,19 +126,20 @@ def check_cluster_problem(problem: registry.IndexerProblem,
 
 def cluster_slower_here(problem: registry.IndexerProblem) -> str | None:
     """rows of at most 8192 positions (ONE_CTA_MAX_WIDTH), more than CLUSTER_MAX_ROWS rows, and
-    rows whose clusters need more than one wave (R x min_cluster_size(S) CTAs above the SM count):
-    where the one-CTA kernel measured faster"""
+    rows whose smallest clusters take more than CLUSTER_SM_SHARE of the SMs (R x
+    min_cluster_size(S) CTAs): where the one-CTA kernel measured faster"""
     if problem.num_keys <= ONE_CTA_MAX_WIDTH:
         return (f"rows of {problem.num_keys} <= {ONE_CTA_MAX_WIDTH} positions, where the one-CTA "
                 f"kernel measured faster (H100, 32 x 8192: 9.9 vs 20.3 us)")
     if problem.num_rows > CLUSTER_MAX_ROWS:
         return (f"{problem.num_rows} rows > {CLUSTER_MAX_ROWS}, where the one-CTA kernel's "
-                f"streaming build measured faster (H100, 32 x 131072: 47.5 vs 57.1 us)")
+                f"streaming build measured faster (H100, 64 x 65536: 34.1 vs 34.1 us)")
     ctas = min_cluster_size(problem.num_keys)
     sm_count = registry.device_sm_count()
-    if problem.num_rows * ctas > sm_count:
-        return (f"{problem.num_rows} rows x {ctas} CTAs exceed one wave on {sm_count} SMs, where "
-                f"the one-CTA kernel measured faster")
+    if problem.num_rows * ctas > CLUSTER_SM_SHARE * sm_count:
+        return (f"{problem.num_rows} rows x {ctas} CTAs exceed {CLUSTER_SM_SHARE:.0%} of "
+                f"{sm_count} SMs, more than the clusters fill in one wave, where the one-CTA "
+                f"kernel's streaming build measured faster (H100, 32 x 131072: 47.7 vs 51.8 us)")
     return None
 
 
