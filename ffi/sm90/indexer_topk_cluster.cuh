@@ -168,7 +168,8 @@ __device__ __forceinline__ bool GatherToLeader(
 }
 
 // grid (R * C), clusters of C along x: cluster r selects row r; dynamic shared memory of
-// 16 * groups_capacity bytes, groups_capacity >= ceil(groups / C) for every row (the host's plan).
+// 16 * groups_capacity bytes, groups_capacity >= ceil(groups / C) for every row (the host's plan),
+// and kCandidateBytes more where they fit within kMaxClusterDynamicBytes (HasCandidateRoom).
 __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParams params) {
   namespace cg = cooperative_groups;
   __shared__ ClusterShared smem;
