@@ -5,14 +5,16 @@ Each case compares the native kernel with the pure-JAX kernel (implementation="x
 the kernel multiplies (run_reference): the cache itself, which the pure-JAX op dequantises exactly in
 float32, or for fp8_ds_mla under the 64-head kernel that cache dequantised to bf16. The caches are
 larger than the H200's L2 and their unselected rows hold NaN bytes; slots have -1 holes and
-out-of-range values at random places, and some rows select nothing. One case also checks against the
-float64 NumPy reference. Skipped without an SM90 GPU or without the compiled extension
+out-of-range values at random places, and some rows select nothing. Some cases check against the
+float64 NumPy reference instead, among them the small grid run under compute-sanitizer memcheck and
+racecheck. Skipped without an SM90 GPU or without the compiled extension
 (JAX_SPARSE_MLA_REQUIRE_GPU=1 turns the skip into a failure).
 """
 
 from __future__ import annotations
 
 import functools
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +25,7 @@ import pytest
 import jax_sparse_mla as jsm
 from jax_sparse_mla.kernels import registry, sm90_fp8
 from jax_sparse_mla.ops.kv_cache import dequantize_ds_mla_rows
+from gpu_subprocess import assert_sanitizer_clean
 from reference import assert_native_matches, attention_from_slots, unpack_ds_mla
 from test_sm90_gpu import assert_matches, make_indices, skip_reason
 
@@ -143,7 +146,8 @@ def test_matches_pure_jax(num_tokens, num_heads, num_keys, layout):
 
 @pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
 @pytest.mark.parametrize("num_tokens,num_heads,num_keys", [(1, 64, 2048), (7, 16, 2048),
-                                                           (128, 128, 2048)])
+                                                           (128, 128, 2048), (300, 128, 256),
+                                                           (300, 64, 256)])
 def test_valid_counts(num_tokens, num_heads, num_keys, layout):
     check_case(num_tokens, num_heads, num_keys, layout, valid_counts=True)
 
@@ -293,3 +297,50 @@ def test_non_finite_query_rows(layout, num_keys, num_heads):
         assert (out[1] == 0).all() and np.isneginf(lse[1]).all()
     assert_matches((native[0][~bad], native[1][~bad]), (reference[0][~bad], reference[1][~bad]),
                    out_rtol=2e-2)
+
+
+def check_against_float64(num_tokens, num_heads, num_keys, layout, *, seed=3):
+    """The native result against float64 NumPy over the values the kernel multiplies (the e4m3
+    values times k_scale; fp8_ds_mla rows dequantised exactly, rounded to bf16 where the kernel
+    does): no pure-JAX reference to compile, for the sanitizer grid."""
+    cache, kwargs = cache_and_kwargs(layout)
+    rng = np.random.default_rng(seed + num_tokens + num_heads + num_keys)
+    q = rng.standard_normal((num_tokens, num_heads, 576), np.float32).astype(ml_dtypes.bfloat16)
+    indices = indices_for(rng, num_tokens, num_keys)
+    native = run(jnp.asarray(q), cache, jnp.asarray(indices), "native", **kwargs)
+    used = np.unique(indices[(indices >= 0) & (indices < NUM_SLOTS)])
+    rows = np.zeros((NUM_SLOTS, 576))
+    if layout == "fp8":
+        stored = np.asarray(cache).reshape(NUM_SLOTS, 576)[used]
+        rows[used] = stored.astype(np.float64) * K_SCALE
+    else:
+        rows[used] = unpack_ds_mla(np.asarray(cache).reshape(NUM_SLOTS, 656)[used])
+        if dequantises_to_bf16(layout, num_heads):
+            rows = rows.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float64)
+    assert_matches(native, attention_from_slots(q.astype(np.float64), rows, indices, SCALE),
+                   out_rtol=2e-2)
+
+
+# Every kernel and launch form: 16 heads, one CTA per token and split (with the merge); 64 heads with
+# more tokens than CTAs that run at once (a second wave); 128 heads (2-CTA clusters), more tokens
+# than clusters run at once and split (with the merge); 200 heads (four unpaired 64-head CTAs per
+# token).
+# (make_indices leaves token T // 2, and token 1 when T > 2, without a valid slot.)
+SANITIZER_GRID = [(3, 16, 128), (2, 16, 2048), (140, 64, 128), (70, 128, 192), (3, 128, 256),
+                  (2, 200, 128)]
+SANITIZER_SCRIPT = textwrap.dedent("""
+    import test_sm90_fp8_gpu as cases
+    for shape in cases.SANITIZER_GRID:
+        for layout in ("fp8", "ds_mla"):
+            cases.check_against_float64(*shape, layout)
+    print("MEMCHECK GRID PASSED")
+""")
+
+
+@pytest.mark.sanitizer
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizer_clean(tmp_path, tool):
+    """The grid above under compute-sanitizer (memcheck: out-of-bounds and misaligned accesses;
+    racecheck: shared-memory hazards, distributed shared memory included): every case matches
+    float64 and the tool reports nothing."""
+    assert_sanitizer_clean(SANITIZER_SCRIPT, tmp_path, tool)
