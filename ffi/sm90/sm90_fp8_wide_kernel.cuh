@@ -52,8 +52,9 @@ inline constexpr int kScoreRegisters = 208, kValueRegisters = 168, kProducerRegi
 static_assert(kScoreRegisters + kValueRegisters + kProducerRegisters <= 3 * kLaunchRegisters);
 
 // Named barriers (0 is __syncthreads): P of a tile is ready / has been read by warpgroup 1; the
-// 256 consumer threads; the 128 threads of warpgroup w's output staging (kStaging + w).
-inline constexpr int kProbsReady = 1, kProbsRead = 2, kConsumers = 3, kStaging = 4;
+// 256 consumer threads; the 128 threads of warpgroup w's output staging (kStaging + w) and its
+// release of a key buffer (kRelease + w).
+inline constexpr int kProbsReady = 1, kProbsRead = 2, kConsumers = 3, kStaging = 4, kRelease = 6;
 
 struct Shared {
   uint8_t q[kOperandBytes];                // Q [64 heads x 576], f16 or bf16 (Operands)
@@ -67,7 +68,8 @@ struct Shared {
   alignas(16) uint32_t valid_rows[kBuffers][kBlockN / 8];
   uint64_t ready[kBuffers];         // this CTA's producer -> consumers: its rows of a tile are in
   uint64_t peer_ready[kBuffers];    // paired CTAs: the peer's rows of a tile are in (byte count)
-  uint64_t freed[kBuffers];         // consumers -> producers: all consumers are done with a buffer
+  uint64_t freed[kBuffers];         // consumers -> producer: this CTA's consumers are done
+  uint64_t peer_freed[kBuffers];    // paired CTAs: the peer's consumers are done with the buffer
 };
 static_assert(sizeof(Shared) <= 227 * 1024);
 
@@ -427,6 +429,7 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
     const int tile = round / kRounds, buffer = tile % kBuffers, row = row_of(round);
     if (round % kRounds == 0 && tile >= kBuffers) {
       WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
+      if constexpr (kPaired) WaitBarrier(smem.peer_freed + buffer, (tile / kBuffers - 1) % 2);
     }
     uint8_t* keys = smem.keys[buffer];
     uint32_t peer_keys = 0, peer_ready = 0;
@@ -575,7 +578,8 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   if (threadIdx.x < kBuffers) {
     InitBarrier(smem.ready + threadIdx.x, 128);
     InitBarrier(smem.peer_ready + threadIdx.x, 1);
-    InitBarrier(smem.freed + threadIdx.x, kPaired ? 4 : 2);
+    InitBarrier(smem.freed + threadIdx.x, 2);
+    InitBarrier(smem.peer_freed + threadIdx.x, 2);
   }
   if constexpr (kPaired) {
     ClusterSync();  // both CTAs' barriers are initialised before either touches the other's
@@ -590,17 +594,25 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
   }
   // Waits until buffer `tile % 2` holds the tile (with kPaired, the peer's rows too). The waits are
   // CTA-scoped also where the other CTA completes the phase (its st.async bytes, its arrivals on
-  // `freed`), as in CUTLASS's cluster pipelines: the barrier and the data are this CTA's.
+  // `peer_freed`), as in CUTLASS's cluster pipelines: the barrier and the data are this CTA's.
   const auto wait_for_tile = [&](int tile) {
     const int buffer = tile % kBuffers;
     WaitBarrier(smem.ready + buffer, (tile / kBuffers) % 2);
     if constexpr (kPaired) WaitBarrier(smem.peer_ready + buffer, (tile / kBuffers) % 2);
   };
-  // One warpgroup's arrival on the buffer's `freed` (with kPaired, on both CTAs').
+  // One warpgroup's arrival on the buffer's `freed` (with kPaired, also on the peer's
+  // `peer_freed`). An mbarrier arrival releases only the arriving thread's own accesses, so the
+  // warpgroup meets first: every thread's reads of the buffer (the valid-row words) come before the
+  // producers' next stores. The peer's arrivals go to a barrier of their own, so that `freed`,
+  // which orders this CTA's reads before its producer's stores, completes only through this CTA's
+  // threads.
   const auto free_buffer = [&](int buffer) {
+    NamedBarrierSync(kRelease + warpgroup, 128);
     if (thread != 0) return;
     ArriveBarrier(smem.freed + buffer);
-    if constexpr (kPaired) ArrivePeerBarrier(PeerAddress(smem.freed + buffer, ClusterRank() ^ 1));
+    if constexpr (kPaired) {
+      ArrivePeerBarrier(PeerAddress(smem.peer_freed + buffer, ClusterRank() ^ 1));
+    }
   };
   float* query_unscale = smem.query_unscale;
   float* inverse_sum = smem.inverse_sum;
@@ -742,8 +754,9 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       wait_for_tile(tile);
       AccumulateValues<ValuesMma>(out, smem.rescale[row0], smem.rescale[row1], probs_operand,
                                   values_operand, [] {});
-      if (tile + 1 < num_tiles) NamedBarrierArrive(kProbsRead, 256);
       free_buffer(buffer);
+      // Both sides wait: warpgroup 0 reaches this barrier before it needs the next P anyway.
+      if (tile + 1 < num_tiles) NamedBarrierSync(kProbsRead, 256);
     }
     NamedBarrierSync(kConsumers, 256);  // inverse_sum is written
     WriteOutput(out, p, inverse_sum, token, split, head_begin, 1, row0, row1, column_in_block,
