@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from jax_sparse_mla.ops.index_conversion import (
     filter_and_convert_dcp_index,
 )
 from jax_sparse_mla.kernels.registry import current_device_capability
+from gpu_subprocess import assert_sanitizer_clean
 
 
 @functools.cache
@@ -244,6 +246,62 @@ def test_runs_inside_jit(impl, marker):
     hlo = jax.jit(lambda: f(case)).lower().as_text()
     assert marker in hlo.lower()  # the kernel, not the XLA fallback
     assert_same(f(case), plain(case, "xla", block_size=64, return_valid_counts=True, compact=True))
+
+
+# Cases run under compute-sanitizer: paged rows with prefill workspace rows, a K that is no multiple of
+# the tile, DCP with interleave, and more rows than a CUDA y-grid holds; in place and compacted.
+SANITIZER_CASES = [
+    dict(seed=1, num_tokens=37, top_k=2048, block_size=64, prefill=True),
+    dict(seed=2, num_tokens=5, top_k=2176, block_size=16, width=16, positions=16 * 16 * 4 + 500,
+         dcp_size=4, interleave=2),
+    dict(seed=3, num_tokens=66000, top_k=128, block_size=128, width=8),
+]
+
+
+def check_against_cpu(implementation: str, spec: dict) -> None:
+    """The GPU kernels of `implementation` on one SANITIZER_CASES case against pure JAX run on the
+    CPU device, so that under a sanitizer only the kernels under test run on the GPU."""
+    spec = dict(spec)
+    dcp_size, interleave = spec.pop("dcp_size", 1), spec.pop("interleave", 1)
+    case = make_case(spec.pop("seed"), **spec)
+    block_size = spec["block_size"]
+
+    def run(implementation: str, compact: bool, rank: int):
+        if dcp_size == 1:
+            return plain(case, implementation, block_size=block_size, return_valid_counts=True,
+                         compact=compact)
+        return jax.jit(lambda rank: filter_and_convert_dcp_index(
+            i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]),
+            dcp_size=dcp_size, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
+            block_size=block_size, return_valid_counts=True, compact=compact,
+            implementation=implementation,
+        ))(jnp.int32(rank))
+
+    for compact, rank in itertools.product((False, True), range(dcp_size)):
+        got = run(implementation, compact, rank)
+        with jax.default_device(jax.devices("cpu")[0]):
+            want = run("xla", compact, rank)
+        assert_same(got, want)
+
+
+SANITIZER_SCRIPT = textwrap.dedent("""
+    import test_index_conversion_gpu as cases
+    for implementation in cases.GPU_IMPLEMENTATIONS:
+        for spec in cases.SANITIZER_CASES:
+            cases.check_against_cpu(implementation, spec)
+    print("MEMCHECK GRID PASSED")
+""")
+
+
+@on_cuda
+@pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
+def test_sanitizer_clean(tmp_path, tool):
+    """Both GPU implementations' kernels over SANITIZER_CASES under compute-sanitizer (memcheck:
+    out-of-bounds and misaligned accesses; racecheck: shared-memory hazards), each case matching
+    pure JAX bit for bit."""
+    for implementation in GPU_IMPLEMENTATIONS:
+        require_kernels(implementation)
+    assert_sanitizer_clean(SANITIZER_SCRIPT, tmp_path, tool)
 
 
 # ----------------------------------------------------------------------------- any backend
