@@ -294,6 +294,7 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 
 
 @on_cuda
+@pytest.mark.sanitizer
 @pytest.mark.parametrize("tool", ["memcheck", "racecheck"])
 def test_sanitizer_clean(tmp_path, tool):
     """Both GPU implementations' kernels over SANITIZER_CASES under compute-sanitizer (memcheck:

@@ -330,11 +330,16 @@ SANITIZER_GRID = [(3, 16, 128), (2, 16, 2048), (140, 64, 128), (70, 128, 192), (
                   (2, 200, 128)]
 SANITIZER_SCRIPT = textwrap.dedent("""
     import test_sm90_fp8_gpu as cases
-    for shape in cases.SANITIZER_GRID:
-        for layout in ("fp8", "ds_mla"):
-            cases.check_against_float64(*shape, layout)
+    for _ in range({repeats}):
+        for shape in cases.SANITIZER_GRID:
+            for layout in ("fp8", "ds_mla"):
+                cases.check_against_float64(*shape, layout)
     print("MEMCHECK GRID PASSED")
 """)
+# Racecheck reported the 64-head kernel's unordered handoffs in some runs of the grid and not in
+# others (in 2 of 4 runs for one earlier buffer release, 3 of 6 for another), so it runs the grid
+# three times.
+RACECHECK_REPEATS = 3
 
 
 @pytest.mark.sanitizer
@@ -343,4 +348,5 @@ def test_sanitizer_clean(tmp_path, tool):
     """The grid above under compute-sanitizer (memcheck: out-of-bounds and misaligned accesses;
     racecheck: shared-memory hazards, distributed shared memory included): every case matches
     float64 and the tool reports nothing."""
-    assert_sanitizer_clean(SANITIZER_SCRIPT, tmp_path, tool)
+    repeats = RACECHECK_REPEATS if tool == "racecheck" else 1
+    assert_sanitizer_clean(SANITIZER_SCRIPT.format(repeats=repeats), tmp_path, tool)
