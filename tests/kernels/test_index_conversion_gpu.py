@@ -249,7 +249,8 @@ def test_runs_inside_jit(impl, marker):
 
 
 # Cases run under compute-sanitizer: paged rows with prefill workspace rows, a K that is no multiple of
-# the tile, DCP with interleave, and more rows than a CUDA y-grid holds; in place and compacted.
+# the tile, DCP with interleave, and more rows than a CUDA y-grid holds; in place (the tile kernel),
+# with counts and compacted (the row kernel).
 SANITIZER_CASES = [
     dict(seed=1, num_tokens=37, top_k=2048, block_size=64, prefill=True),
     dict(seed=2, num_tokens=5, top_k=2176, block_size=16, width=16, positions=16 * 16 * 4 + 500,
@@ -266,21 +267,21 @@ def check_against_cpu(implementation: str, spec: dict) -> None:
     case = make_case(spec.pop("seed"), **spec)
     block_size = spec["block_size"]
 
-    def run(implementation: str, compact: bool, rank: int):
+    def run(implementation: str, count: bool, compact: bool, rank: int):
+        kwargs = dict(block_size=block_size, return_valid_counts=count, compact=compact)
         if dcp_size == 1:
-            return plain(case, implementation, block_size=block_size, return_valid_counts=True,
-                         compact=compact)
+            return plain(case, implementation, **kwargs)
         return jax.jit(lambda rank: filter_and_convert_dcp_index(
             i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]),
             dcp_size=dcp_size, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
-            block_size=block_size, return_valid_counts=True, compact=compact,
-            implementation=implementation,
+            implementation=implementation, **kwargs,
         ))(jnp.int32(rank))
 
-    for compact, rank in itertools.product((False, True), range(dcp_size)):
-        got = run(implementation, compact, rank)
+    forms = [(False, False), (True, False), (True, True)]  # (counts, compact)
+    for (count, compact), rank in itertools.product(forms, range(dcp_size)):
+        got = run(implementation, count, compact, rank)
         with jax.default_device(jax.devices("cpu")[0]):
-            want = run("xla", compact, rank)
+            want = run("xla", count, compact, rank)
         assert_same(got, want)
 
 
