@@ -10,12 +10,15 @@ device memory the parent process holds.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import glob
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -67,6 +70,21 @@ _CLEAN_SUMMARY = {"memcheck": "ERROR SUMMARY: 0 errors",
                   "racecheck": "RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"}
 
 
+@contextlib.contextmanager
+def _one_sanitizer_at_a_time():
+    """Holds a machine-wide lock while a sanitizer child runs, so that the workers of a `pytest -n`
+    run never run two at once: on an H100, with 8 workers' children sharing the GPU, an
+    index-conversion memcheck child stalled in XLA's compilation until killed after 300 s (8 s
+    alone). Racecheck's reports on the paired 64-head fp8 kernel beside other processes came with
+    and without this lock (docs/kernels/sm90-fp8.md, Tests)."""
+    with open(os.path.join(tempfile.gettempdir(), "jax_sparse_mla_sanitizer.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def assert_sanitizer_clean(script: str, tmp_path, tool: str = "memcheck") -> None:
     """Runs `script` (which prints "MEMCHECK GRID PASSED" when its cases match) under
     compute-sanitizer --tool `tool` (memcheck or racecheck) as a plain script (pytest under the
@@ -75,9 +93,10 @@ def assert_sanitizer_clean(script: str, tmp_path, tool: str = "memcheck") -> Non
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not on PATH")
     # No autotuning: under the sanitizer every candidate kernel XLA times would be instrumented too.
-    result = run_script([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable,
-                         "-c", script], xla_flags="--xla_gpu_autotune_level=0", cwd=tmp_path,
-                        timeout=SANITIZER_TIMEOUT)
+    with _one_sanitizer_at_a_time():
+        result = run_script([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable,
+                             "-c", script], xla_flags="--xla_gpu_autotune_level=0", cwd=tmp_path,
+                            timeout=SANITIZER_TIMEOUT)
     report = _report(result.stdout, result.stderr, result.returncode)
     assert result.returncode == 0, report
     assert "MEMCHECK GRID PASSED" in result.stdout, report
