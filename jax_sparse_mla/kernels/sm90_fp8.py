@@ -127,7 +127,9 @@ def slower_than_pure_jax(problem: registry.Problem) -> str | None:
     128 heads where this kernel and its merge took 48.82 / 42.48; their kernel times were about the
     same (15.27 / 20.88 against 15.5 / 22.3 us). Over fp8_ds_mla this kernel keeps one token: its
     kernels took 16.71 / 22.1 us against pure JAX's 28.62 / 41.4 (the steps 47.3 / 45.2 against
-    31.1 / 45.3: the loop's launch gaps around the custom call, docs/kernels/sm90-fp8.md)."""
+    31.1 / 45.3: the loop's launch gaps around the custom call, docs/kernels/sm90-fp8.md); on another
+    H100 host, with shorter gaps, its steps were faster too: 25.5 / 25.6 against 31.1 / 45.1 us
+    (docs/benchmarks.md, H100 section)."""
     if problem.num_tokens == 1 and problem.kv_layout == "fp8_e4m3":
         return ("pure JAX measured faster with one token over an e4m3 cache (H100 decode loop: "
                 "18.9 / 24.0 against 48.8 / 42.5 us per step at 16 / 128 heads)")
