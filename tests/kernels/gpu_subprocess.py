@@ -78,11 +78,8 @@ def _one_sanitizer_at_a_time():
     alone). Racecheck's reports on the paired 64-head fp8 kernel beside other processes came with
     and without this lock (docs/kernels/sm90-fp8.md, Tests)."""
     with open(os.path.join(tempfile.gettempdir(), "jax_sparse_mla_sanitizer.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 def assert_sanitizer_clean(script: str, tmp_path, tool: str = "memcheck") -> None:
