@@ -53,8 +53,10 @@ static_assert(kScoreRegisters + kValueRegisters + kProducerRegisters <= 3 * kLau
 
 // Named barriers (0 is __syncthreads): P of a tile is ready / has been read by warpgroup 1; the
 // 256 consumer threads; the 128 threads of warpgroup w's output staging (kStaging + w) and its
-// release of a key buffer (kRelease + w).
+// release of a key buffer (kRelease + w); with kPaired, warpgroup 0 has read buffer b's valid-row
+// words (kWordsRead + b, warpgroup 0 arriving and the producer waiting).
 inline constexpr int kProbsReady = 1, kProbsRead = 2, kConsumers = 3, kStaging = 4, kRelease = 6;
+inline constexpr int kWordsRead = 8;
 
 struct Shared {
   uint8_t q[kOperandBytes];                // Q [64 heads x 576], f16 or bf16 (Operands)
@@ -429,7 +431,14 @@ __device__ __forceinline__ void ProduceTiles(Shared& smem, const DecodeParams& p
     const int tile = round / kRounds, buffer = tile % kBuffers, row = row_of(round);
     if (round % kRounds == 0 && tile >= kBuffers) {
       WaitBarrier(smem.freed + buffer, (tile / kBuffers - 1) % 2);
-      if constexpr (kPaired) WaitBarrier(smem.peer_freed + buffer, (tile / kBuffers - 1) % 2);
+      if constexpr (kPaired) {
+        WaitBarrier(smem.peer_freed + buffer, (tile / kBuffers - 1) % 2);
+        // Warpgroup 0 has read this buffer's valid-row words of tile - 2. `freed` orders that
+        // already (warpgroup 0's bar.sync, then its thread 0's arrival); this barrier states the
+        // order where racecheck sees it, which it lost in the paired kernel whenever another
+        // process ran kernels on the GPU (docs/kernels/sm90-fp8.md, Tests).
+        NamedBarrierSync(kWordsRead + buffer, 256);
+      }
     }
     uint8_t* keys = smem.keys[buffer];
     uint32_t peer_keys = 0, peer_ready = 0;
@@ -655,6 +664,9 @@ __global__ void __launch_bounds__(kThreads, 1) SparseMlaFp8WideDecodeKernel(cons
       // 8 j + c (c < 8) is valid when bit c of valid_rows word j is set; most tiles are all valid.
       const uint4 words_low = *reinterpret_cast<const uint4*>(&smem.valid_rows[buffer][0]);
       const uint4 words_high = *reinterpret_cast<const uint4*>(&smem.valid_rows[buffer][4]);
+      if constexpr (kPaired) {  // the producer waits for this before it stores tile + 2's words
+        if (tile + kBuffers < num_tiles) NamedBarrierArrive(kWordsRead + buffer, 256);
+      }
       const uint32_t words[8] = {words_low.x,  words_low.y,  words_low.z,  words_low.w,
                                  words_high.x, words_high.y, words_high.z, words_high.w};
       uint32_t all_valid = 0xffu;

@@ -1,4 +1,5 @@
-"""Child processes of the GPU tests: compute-sanitizer runs and XLA command-buffer dumps.
+"""Child processes of the GPU tests: compute-sanitizer runs (racecheck beside a second process that
+keeps the GPU busy) and XLA command-buffer dumps.
 
 A child runs the way a user's script runs: from a temporary folder (not the checkout, whose
 jax_sparse_mla has no compiled extension), importing the installed package, with tests/kernels and
@@ -75,22 +76,61 @@ def _one_sanitizer_at_a_time():
     """Holds a machine-wide lock while a sanitizer child runs, so that the workers of a `pytest -n`
     run never run two at once: on an H100, with 8 workers' children sharing the GPU, an
     index-conversion memcheck child stalled in XLA's compilation until killed after 300 s (8 s
-    alone). Racecheck's reports on the paired 64-head fp8 kernel beside other processes came with
-    and without this lock (docs/kernels/sm90-fp8.md, Tests)."""
+    alone)."""
     with open(os.path.join(tempfile.gettempdir(), "jax_sparse_mla_sanitizer.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         yield
 
 
+# A second GPU context that keeps the GPU busy (bf16 matrix products) until it is killed; it
+# prints "BUSY" once its first product is done.
+_BUSY_SCRIPT = """
+import jax, jax.numpy as jnp
+step = jax.jit(lambda x: (x @ x) * (1.0 / 4096))
+x = step(jnp.ones((4096, 4096), jnp.bfloat16)).block_until_ready()
+print("BUSY", flush=True)
+while True:
+    for _ in range(50):
+        x = step(x)
+    x.block_until_ready()
+"""
+
+
+@contextlib.contextmanager
+def _beside_another_context(cwd):
+    """Runs _BUSY_SCRIPT in its own process while the body runs. Racecheck reported hazards on the
+    paired 64-head fp8 kernel only while another process ran kernels on the GPU, in every such run,
+    and never alone (docs/kernels/sm90-fp8.md, Tests): a racecheck child alone would miss them, as
+    it would on a GPU that a served model shares."""
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env.pop("XLA_PYTHON_CLIENT_MEM_FRACTION", None)
+    errors = os.path.join(cwd, "busy_stderr.txt")
+    with open(errors, "w") as stderr:  # a file, not a pipe: nothing reads it while the body runs
+        busy = subprocess.Popen([sys.executable, "-c", _BUSY_SCRIPT], env=env, cwd=cwd,
+                                stdout=subprocess.PIPE, stderr=stderr, text=True)
+    try:
+        if busy.stdout.readline().strip() != "BUSY":
+            busy.wait()
+            pytest.fail(f"the busy GPU process exited ({busy.returncode}) before its first "
+                        f"product:\n{open(errors).read()[-3000:]}")
+        yield
+    finally:
+        busy.kill()
+        busy.wait()
+        busy.stdout.close()
+
+
 def assert_sanitizer_clean(script: str, tmp_path, tool: str = "memcheck") -> None:
     """Runs `script` (which prints "MEMCHECK GRID PASSED" when its cases match) under
     compute-sanitizer --tool `tool` (memcheck or racecheck) as a plain script (pytest under the
-    sanitizer crashes in the interpreter) and asserts that the tool reports nothing."""
+    sanitizer crashes in the interpreter) and asserts that the tool reports nothing. Racecheck runs
+    beside a second process that keeps the GPU busy (_beside_another_context)."""
     sanitizer = shutil.which("compute-sanitizer")
     if sanitizer is None:
         pytest.skip("compute-sanitizer is not on PATH")
+    beside = _beside_another_context(tmp_path) if tool == "racecheck" else contextlib.nullcontext()
     # No autotuning: under the sanitizer every candidate kernel XLA times would be instrumented too.
-    with _one_sanitizer_at_a_time():
+    with _one_sanitizer_at_a_time(), beside:
         result = run_script([sanitizer, "--tool", tool, "--error-exitcode", "3", sys.executable,
                              "-c", script], xla_flags="--xla_gpu_autotune_level=0", cwd=tmp_path,
                             timeout=SANITIZER_TIMEOUT)

@@ -338,7 +338,7 @@ SANITIZER_SCRIPT = textwrap.dedent("""
 """)
 # Racecheck reported the 64-head kernel's unordered handoffs in some runs of the grid and not in
 # others (in 2 of 4 runs for one earlier buffer release, 3 of 6 for another), so it runs the grid
-# three times.
+# three times (beside a busy GPU process, gpu_subprocess.assert_sanitizer_clean).
 RACECHECK_REPEATS = 3
 
 
