@@ -163,6 +163,16 @@ def test_plain_grid_matches_xla(impl, block_size, top_k, prefill):
     check_compaction(np.asarray(got[0]), np.asarray(got[1]), np.asarray(in_place))
 
 
+def dcp_over_ranks(case: dict, implementation: str, *, dcp_size: int, interleave: int, **kwargs):
+    """filter_and_convert_dcp_index over `case`, jitted as a function of the rank: the rank is
+    traced, as under shard_map, so one compilation serves every rank."""
+    return jax.jit(lambda rank: filter_and_convert_dcp_index(
+        i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]),
+        dcp_size=dcp_size, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
+        implementation=implementation, **kwargs,
+    ))
+
+
 @on_cuda
 @pytest.mark.parametrize("dcp_size, interleave", list(itertools.product([1, 2, 4, 8], [1, 2, 4])))
 def test_dcp_grid_matches_xla(impl, dcp_size, interleave):
@@ -172,13 +182,8 @@ def test_dcp_grid_matches_xla(impl, dcp_size, interleave):
                      block_size=block_size, width=16, positions=block_size * 16 * dcp_size + 500)
 
     def run(implementation, compact):
-        # The rank is traced, as under shard_map: one compilation serves every rank.
-        return jax.jit(lambda rank: filter_and_convert_dcp_index(
-            i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]),
-            dcp_size=dcp_size, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
-            block_size=block_size, return_valid_counts=True, compact=compact,
-            implementation=implementation,
-        ))
+        return dcp_over_ranks(case, implementation, dcp_size=dcp_size, interleave=interleave,
+                              block_size=block_size, return_valid_counts=True, compact=compact)
 
     gpu_in_place, gpu_compact = run(impl, False), run(impl, True)
     xla_in_place, xla_compact = run("xla", False), run("xla", True)
@@ -271,11 +276,8 @@ def check_against_cpu(implementation: str, spec: dict) -> None:
         kwargs = dict(block_size=block_size, return_valid_counts=count, compact=compact)
         if dcp_size == 1:
             return plain(case, implementation, **kwargs)
-        return jax.jit(lambda rank: filter_and_convert_dcp_index(
-            i32(case["req_id"]), i32(case["block_table"]), i32(case["tok"]),
-            dcp_size=dcp_size, dcp_rank=rank, cp_kv_cache_interleave_size=interleave,
-            implementation=implementation, **kwargs,
-        ))(jnp.int32(rank))
+        return dcp_over_ranks(case, implementation, dcp_size=dcp_size, interleave=interleave,
+                              **kwargs)(jnp.int32(rank))
 
     forms = [(False, False), (True, False), (True, True)]  # (counts, compact)
     for (count, compact), rank in itertools.product(forms, range(dcp_size)):
