@@ -16,6 +16,7 @@ import fcntl
 import glob
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
@@ -96,6 +97,9 @@ while True:
 """
 
 
+_BUSY_START_TIMEOUT = 120  # seconds; it starts in a few
+
+
 @contextlib.contextmanager
 def _beside_another_context(cwd):
     """Runs _BUSY_SCRIPT in its own process while the body runs. Racecheck reported hazards on the
@@ -109,10 +113,12 @@ def _beside_another_context(cwd):
         busy = subprocess.Popen([sys.executable, "-c", _BUSY_SCRIPT], env=env, cwd=cwd,
                                 stdout=subprocess.PIPE, stderr=stderr, text=True)
     try:
-        if busy.stdout.readline().strip() != "BUSY":
-            busy.wait()
-            pytest.fail(f"the busy GPU process exited ({busy.returncode}) before its first "
-                        f"product:\n{open(errors).read()[-3000:]}")
+        started, _, _ = select.select([busy.stdout], [], [], _BUSY_START_TIMEOUT)
+        if not started or busy.stdout.readline().strip() != "BUSY":
+            busy.kill()
+            pytest.fail(f"the busy GPU process gave no first product (waited up to "
+                        f"{_BUSY_START_TIMEOUT} s; exit status {busy.wait()}):\n"
+                        f"{open(errors).read()[-3000:]}")
         yield
     finally:
         busy.kill()
