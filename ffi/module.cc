@@ -223,6 +223,10 @@ NB_MODULE(_jax_sparse_mla_native, m) {
   m.def("registrations", &Registrations,
         "Maps each FFI target name to a capsule of its XLA FFI handler (platform CUDA).");
 #ifdef JAX_SPARSE_MLA_HAS_SM90
+  m.def("sm90_plan_token_limit", &jax_sparse_mla::Sm90PlanTokenLimit, nb::arg("num_heads"),
+        nb::arg("padded_keys"), nb::arg("num_sms"),
+        "The most tokens sm90_schedule plans in one launch for num_heads heads over padded_keys "
+        "slots on a GPU of num_sms SMs (0 when not one token fits). Arithmetic only: no GPU needed.");
   m.def("sm90_schedule", &Sm90Schedule, nb::arg("num_tokens"), nb::arg("num_heads"),
         nb::arg("padded_keys"), nb::arg("device_ordinal"),
         "Plans FlashInfer's SM90 MLA kernel for a static decode shape on the host. Returns a dict "

@@ -3,7 +3,6 @@
 
 #include <cstdint>
 #include <exception>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -43,15 +42,12 @@ class ScopedDevice {
 
 std::string PlanSm90Schedule(int64_t num_tokens, int64_t num_heads, int64_t padded_keys,
                              int device_ordinal, Sm90Schedule* schedule) {
+  // Messages are built with std::to_string, not ostringstream: numeric stream insertion crashed
+  // (SIGSEGV in num_put) in a build whose C++ runtime was linked statically into the module.
   if (num_tokens < 1 || num_heads < 1 || padded_keys < kKvTile || padded_keys % kKvTile != 0) {
-    std::ostringstream message;
-    message << "sm90 schedule: need num_tokens >= 1, num_heads >= 1 and padded_keys a positive "
-               "multiple of "
-            << kKvTile << "; got " << num_tokens << ", " << num_heads << ", " << padded_keys;
-    return message.str();
-  }
-  if (num_tokens * padded_keys >= (int64_t{1} << 31)) {
-    return "sm90 schedule: num_tokens * padded_keys must fit in int32 (the kernel's row counter)";
+    return "sm90 schedule: need num_tokens >= 1, num_heads >= 1 and padded_keys a positive "
+           "multiple of " + std::to_string(kKvTile) + "; got " + std::to_string(num_tokens) +
+           ", " + std::to_string(num_heads) + ", " + std::to_string(padded_keys);
   }
   ScopedDevice device(device_ordinal);
   int num_sms = 0;
@@ -60,15 +56,13 @@ std::string PlanSm90Schedule(int64_t num_tokens, int64_t num_heads, int64_t padd
           cudaSuccess) {
     return "sm90 schedule: cannot select CUDA device " + std::to_string(device_ordinal);
   }
-  // MLAPlan does not bound its work-item count; every query tile yields at most one item more
-  // than its share of the KV splits, and the splits add at most one item per cluster.
-  const int64_t query_tiles = num_tokens * ((num_heads + kCtaTileQ - 1) / kCtaTileQ);
-  if (query_tiles + num_sms > kMaxWorkItems) {
-    std::ostringstream message;
-    message << "sm90 schedule: " << num_tokens << " tokens x " << num_heads
-            << " heads exceed FlashInfer's " << kMaxWorkItems
-            << " work items per launch; split the batch";
-    return message.str();
+  const int64_t token_limit = Sm90PlanTokenLimit(num_heads, padded_keys, num_sms);
+  if (num_tokens > token_limit) {
+    return "sm90 schedule: " + std::to_string(num_tokens) + " tokens x " +
+           std::to_string(num_heads) + " heads over " + std::to_string(padded_keys) +
+           " slots exceed one plan (at most " + std::to_string(token_limit) +
+           " tokens on this GPU: FlashInfer's " + std::to_string(kMaxWorkItems) +
+           " work items, int32 rows); split the tokens";
   }
 
   std::vector<int32_t> qo_indptr(num_tokens + 1), kv_indptr(num_tokens + 1);

@@ -19,6 +19,7 @@
 //   [num_works]:                token_work_ids (work items of token t, for the per-call clamp)
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -29,8 +30,25 @@ namespace jax_sparse_mla {
 // (mla_hopper.cuh: CTA_TILE_Q = CTA_TILE_KV = 64). `padded_keys` must be a multiple of kKvTile.
 inline constexpr int64_t kCtaTileQ = 64;
 inline constexpr int64_t kKvTile = 64;
-// MLAPlan reserves this many entries per work-item array (scheduler.cuh: max_total_num_works).
+// MLAPlan reserves this many entries per work-item array (scheduler.cuh: max_total_num_works) and
+// writes past them unchecked, so a plan must stay within it.
 inline constexpr int64_t kMaxWorkItems = 16384;
+
+// The most tokens one plan (one launch) may hold: `num_heads` heads over `padded_keys` slots on
+// `num_sms` SMs. MLAPlan tiles each token's heads in clusters of 1 CTA (at most 64 heads) or 2 CTAs
+// (more), gives each cluster tile one work item per KV split, and sets the split length at or above
+// the mean KV per cluster, so the splits add at most one item per cluster: items <= tiles + clusters.
+// The kernel also counts packed rows (token x padded_keys) in int32. Returns 0 when no token fits.
+inline int64_t Sm90PlanTokenLimit(int64_t num_heads, int64_t padded_keys, int64_t num_sms) {
+  if (num_heads < 1 || padded_keys < 1 || num_sms < 1) return 0;
+  const int64_t cluster_size = num_heads > kCtaTileQ ? 2 : 1;
+  const int64_t num_clusters = num_sms / cluster_size;
+  const int64_t cluster_tile = cluster_size * kCtaTileQ;
+  const int64_t tiles_per_token = (num_heads + cluster_tile - 1) / cluster_tile;
+  const int64_t by_work_items = (kMaxWorkItems - num_clusters) / tiles_per_token;
+  const int64_t by_rows = ((int64_t{1} << 31) - 1) / padded_keys;
+  return std::max<int64_t>(0, std::min(by_work_items, by_rows));
+}
 
 struct ScheduleLayout {
   int64_t q_indptr, kv_indptr, partial_indptr, q_len, kv_len, q_start, kv_start, kv_end;

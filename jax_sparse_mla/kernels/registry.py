@@ -114,6 +114,32 @@ def mask_empty_rows(out: jax.Array, lse: jax.Array, empty_rows: jax.Array) -> tu
             jnp.where(empty, -jnp.inf, lse))
 
 
+def token_pieces(num_tokens: int, max_tokens: int) -> list[tuple[int, int]]:
+    """[start, stop) ranges covering `num_tokens` tokens in pieces of at most `max_tokens`, as even as
+    possible: all but the last have the same size, so a piecewise kernel traces at most two shapes."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    if num_tokens <= max_tokens:
+        return [(0, num_tokens)]
+    size = -(-num_tokens // -(-num_tokens // max_tokens))
+    return [(start, min(start + size, num_tokens)) for start in range(0, num_tokens, size)]
+
+
+def in_token_pieces(kernel: Callable[..., tuple[jax.Array, jax.Array]], max_tokens: int,
+                    q: jax.Array, indices: jax.Array, valid_counts: jax.Array | None,
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Runs kernel(q, indices, valid_counts) -> (out [T, H, D], lse [T, H]) once per piece of at most
+    `max_tokens` tokens (`token_pieces`) and concatenates the results: for kernels whose launch or
+    plan bounds the tokens of one call. Tokens are independent, so the result is the whole call's."""
+    pieces = token_pieces(q.shape[0], max_tokens)
+    if len(pieces) == 1:
+        return kernel(q, indices, valid_counts)
+    results = [kernel(q[a:b], indices[a:b], None if valid_counts is None else valid_counts[a:b])
+               for a, b in pieces]
+    return (jnp.concatenate([out for out, _ in results]),
+            jnp.concatenate([lse for _, lse in results]))
+
+
 def register_kernel(kernel: SparseMLAKernel) -> None:
     """Adds a kernel; native kernels registered later take precedence for their devices."""
     if any(k.name == kernel.name for k in _KERNELS):

@@ -75,13 +75,34 @@ def padded_num_keys(num_keys: int) -> int:
     return max(_KV_TILE, -(-num_keys // _KV_TILE) * _KV_TILE)
 
 
+def plan_token_limit(num_heads: int, padded_keys: int, sm_count: int) -> int:
+    """The most tokens one plan holds (FlashInfer's fixed work-item arrays, int32 packed rows):
+    ffi/sm90/sm90_schedule.h, Sm90PlanTokenLimit. 0 when not even one token fits."""
+    return int(native.module.sm90_plan_token_limit(num_heads, padded_keys, sm_count))
+
+
 def _sm90_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
-    """SM90 kernel (contract in kernels/registry.py); q bf16 or fp8, cache bf16 or fp8 e4m3 [.., .., 576]."""
+    """SM90 kernel (contract in kernels/registry.py); q bf16 or fp8, cache bf16 or fp8 e4m3 [.., .., 576].
+
+    More tokens than one plan holds (about 16k at K = 2048) run as several launches of at most that many.
+    """
     num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
         return (jnp.zeros((0, num_heads, v.MLA_V_DIM), jnp.bfloat16),
                 jnp.zeros((0, num_heads), jnp.float32))
-    kv_rows = kv_cache.reshape(-1, v.MLA_HEAD_DIM)
+    padded_keys = padded_num_keys(indices.shape[1])
+    max_tokens = plan_token_limit(num_heads, padded_keys, registry.device_sm_count())
+    if max_tokens < 1:
+        raise ValueError(f"the SM90 bf16 kernel cannot plan {indices.shape[1]} slots per token "
+                         f"(the packed rows of one token overflow int32)")
+    piece = functools.partial(_sm90_launch, kv_rows=kv_cache.reshape(-1, v.MLA_HEAD_DIM),
+                              bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, lse_base=lse_base)
+    return registry.in_token_pieces(piece, max_tokens, q, indices, valid_counts)
+
+
+def _sm90_launch(q, indices, valid_counts, *, kv_rows, bmm1_scale, bmm2_scale, lse_base):
+    """One custom call over T tokens that one plan holds."""
+    num_tokens, num_heads, _ = q.shape
     fp8_cache = v.is_fp8_e4m3(kv_rows.dtype)
     num_keys = indices.shape[1]
     padded_keys = padded_num_keys(num_keys)

@@ -46,6 +46,8 @@ _LAYOUTS = {"fp8_e4m3": 0, "fp8_ds_mla": 1}
 # Must match ffi/sm90/sm90_fp8_kernel.cuh: slots a split may cover, slots per tile.
 MAX_KEYS_PER_SPLIT = 2048
 TILE_KEYS = 64
+# Tokens are the launch grid's z dimension (sm90_own_decode.cuh), which CUDA bounds at 65535.
+MAX_TOKENS_PER_LAUNCH = 65535
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +82,20 @@ def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> Plan:
 
 def _sm90_fp8_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
     """Kernel contract in kernels/registry.py; q bf16 or fp8 [T, H, 576], cache fp8 e4m3 [.., .., 576] or
-    uint8 fp8_ds_mla [.., .., 656]."""
+    uint8 fp8_ds_mla [.., .., 656]. More than MAX_TOKENS_PER_LAUNCH tokens run as several launches."""
     num_tokens, num_heads, _ = q.shape
     if num_tokens == 0:
         return (jnp.zeros((0, num_heads, v.MLA_V_DIM), jnp.bfloat16),
                 jnp.zeros((0, num_heads), jnp.float32))
-    ds_mla = kv_cache.dtype == jnp.uint8
-    kv_rows = kv_cache.reshape(-1, kv_cache.shape[-1])
+    piece = functools.partial(_sm90_fp8_launch, kv_rows=kv_cache.reshape(-1, kv_cache.shape[-1]),
+                              bmm1_scale=bmm1_scale, bmm2_scale=bmm2_scale, lse_base=lse_base)
+    return registry.in_token_pieces(piece, MAX_TOKENS_PER_LAUNCH, q, indices, valid_counts)
+
+
+def _sm90_fp8_launch(q, indices, valid_counts, *, kv_rows, bmm1_scale, bmm2_scale, lse_base):
+    """One custom call over at most MAX_TOKENS_PER_LAUNCH tokens."""
+    num_tokens, num_heads, _ = q.shape
+    ds_mla = kv_rows.dtype == jnp.uint8
     num_keys = indices.shape[1]
     if valid_counts is None:  # a constant of the executable
         valid_counts = jnp.full((num_tokens,), num_keys, jnp.int32)

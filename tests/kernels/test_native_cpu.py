@@ -363,3 +363,58 @@ def test_sm120_plan_matches_flashinfer(tokens, heads, top_k):
     assert dict(module.sm120_plan(tokens, heads, top_k, 188)) == _plan_reference(tokens, heads, top_k, 188)
     with pytest.raises(ValueError, match="num_heads"):
         module.sm120_plan(1, 129, 2048, 188)
+
+
+def _mla_plan_work_items(num_tokens, num_heads, kv_len, num_sms):
+    """Work items FlashInfer's MLAPlan (attention/scheduler.cuh) makes for num_tokens one-query
+    requests of kv_len keys: cluster tiles of 64 heads per CTA, 2-CTA clusters above 64 heads, each
+    tile split into KV chunks of the rounded mean KV per cluster."""
+    cluster = 2 if num_heads > 64 else 1
+    tiles = num_tokens * -(-num_heads // (64 * cluster))
+    mean = max(-(-tiles * kv_len // (num_sms // cluster)), 1)
+    split = next((cap for bound, cap in ((8, 32), (16, 64), (32, 128), (64, 192)) if mean <= bound),
+                 -(-mean // 256) * 256)
+    return tiles * -(-kv_len // split)
+
+
+@pytest.mark.parametrize("num_heads", [1, 16, 64, 65, 128, 200])
+@pytest.mark.parametrize("padded_keys", [64, 2048, 65536])
+@pytest.mark.parametrize("num_sms", [78, 132, 148])
+def test_sm90_plan_token_limit_bounds_flashinfers_work_items(num_heads, padded_keys, num_sms):
+    """At the limit MLAPlan stays within its 16384-entry work arrays, and the limit gives away at most
+    one item per SM; its packed rows (tokens x padded_keys) fit int32."""
+    module = require_native()
+    if not hasattr(module, "sm90_plan_token_limit"):
+        pytest.skip("the extension was built without the sm90 family")
+    limit = module.sm90_plan_token_limit(num_heads, padded_keys, num_sms)
+    assert limit >= 1
+    assert _mla_plan_work_items(limit, num_heads, padded_keys, num_sms) <= 16384
+    assert limit * padded_keys < 2 ** 31
+    largest = max(t for t in range(limit, limit + num_sms + 2)
+                  if _mla_plan_work_items(t, num_heads, padded_keys, num_sms) <= 16384)
+    assert largest - limit <= num_sms
+    assert module.sm90_plan_token_limit(num_heads, 2 ** 31, num_sms) == 0
+
+
+def test_sm90_schedule_rejects_with_a_message():
+    """The planner's errors carry the numbers (built without std::ostringstream, whose numeric
+    insertion crashed a build with a statically linked C++ runtime)."""
+    module = require_native()
+    if not hasattr(module, "sm90_schedule"):
+        pytest.skip("the extension was built without the sm90 family")
+    with pytest.raises(ValueError, match=r"multiple of 64; got 0, 16, 64"):
+        module.sm90_schedule(0, 16, 64, 0)
+    with pytest.raises(ValueError, match=r"multiple of 64; got 4, 16, 100"):
+        module.sm90_schedule(4, 16, 100, 0)
+
+
+@pytest.mark.parametrize("num_tokens,max_tokens", [(1, 1), (5, 8), (8, 8), (9, 8), (16384, 16318),
+                                                   (70001, 65535), (100, 7)])
+def test_token_pieces_cover_in_even_pieces(num_tokens, max_tokens):
+    pieces = registry.token_pieces(num_tokens, max_tokens)
+    assert pieces[0][0] == 0 and pieces[-1][1] == num_tokens
+    assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:]))
+    sizes = [b - a for a, b in pieces]
+    assert max(sizes) <= max_tokens and min(sizes) >= 1
+    assert len(pieces) == -(-num_tokens // max_tokens)
+    assert len(set(sizes[:-1])) <= 1 and sizes[-1] <= sizes[0]

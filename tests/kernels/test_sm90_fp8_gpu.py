@@ -157,6 +157,23 @@ def test_long_decode_batch():
 
 
 @pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
+def test_more_tokens_than_one_launch(layout):
+    """T above the launch grid's 65535 tokens runs as two launches; sampled tokens (among them both
+    sides of the boundary) against the reference."""
+    num_tokens, num_heads, num_keys = sm90_fp8.MAX_TOKENS_PER_LAUNCH + 4466, 16, 256
+    cache, kwargs = cache_and_kwargs(layout)
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_heads, 576), np.float32), jnp.bfloat16)
+    indices = indices_for(rng, num_tokens, num_keys)
+    out, lse = jax.jit(lambda q, idx: run(q, cache, idx, "native", **kwargs))(q, jnp.asarray(indices))
+    half = num_tokens // 2
+    rows = np.unique(np.concatenate([rng.choice(num_tokens, 40, replace=False),
+                                     [0, half - 1, half, num_tokens - 1]]))
+    assert_matches_dequantised((out[rows], lse[rows]), q[rows], cache, jnp.asarray(indices[rows]),
+                               layout, kwargs)
+
+
+@pytest.mark.parametrize("layout", ["fp8", "ds_mla"])
 def test_short_counts_leave_splits_empty(layout):
     """T = 1 splits K = 2048 over many CTAs; short valid counts leave most splits with no slot."""
     cache, kwargs = cache_and_kwargs(layout)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla.kernels import native, registry, sm90
 from gpu_subprocess import assert_sanitizer_clean, run_with_command_buffers
 from reference import assert_native_matches
 from requirements import gpu_test_marks, sm90_skip_reason
@@ -137,6 +138,46 @@ def test_split_kv_with_empty_splits(num_heads):
     assert_matches(run(q, bf16_cache, indices, implementation="native", valid_counts=counts),
                    run(q, bf16_cache, indices, implementation="xla", valid_counts=counts),
                    out_rtol=1e-2)
+
+
+def sampled_tokens(rng, num_tokens: int, max_tokens: int) -> np.ndarray:
+    """Random tokens plus both sides of every boundary between the pieces of at most max_tokens."""
+    edges = [edge for start, _ in registry.token_pieces(num_tokens, max_tokens)
+             for edge in (start - 1, start)]
+    picked = set(rng.choice(num_tokens, 40, replace=False).tolist()) | set(edges) | {num_tokens - 1}
+    return np.asarray(sorted(t for t in picked if 0 <= t < num_tokens))
+
+
+# Prefill-sized calls (vLLM's max_num_batched_tokens is 8192-16384): FlashInfer's planner holds
+# about 16k tokens (fewer at more than 64 heads, whose tokens are one cluster tile each but whose
+# clusters reserve items), so 16384 tokens run as two launches; both used to crash the planner.
+@pytest.mark.parametrize("num_heads", [16, 64, 128])
+@pytest.mark.parametrize("num_tokens", [8192, 16384])
+def test_bf16_prefill_sized_calls(num_tokens, num_heads):
+    bf16_cache, _, clean = caches()
+    rng = np.random.default_rng(num_tokens + num_heads)
+    q = jnp.asarray(rng.standard_normal((num_tokens, num_heads, 576), np.float32), jnp.bfloat16)
+    indices = make_indices(rng, num_tokens, 2048, clean)
+    native = jax.jit(lambda q, idx: run(q, bf16_cache, idx, implementation="native"))(
+        q, jnp.asarray(indices))
+    assert native[0].shape == (num_tokens, num_heads, 512)
+    max_tokens = sm90.plan_token_limit(num_heads, 2048, registry.device_sm_count())
+    rows = sampled_tokens(rng, num_tokens, max_tokens)
+    reference = run(q[rows], bf16_cache, jnp.asarray(indices[rows]), implementation="xla")
+    assert_matches((native[0][rows], native[1][rows]), reference, out_rtol=1e-2)
+
+
+def test_planner_limit_is_what_flashinfer_plans():
+    """At the limit the planner plans (no crash, within its work-item arrays); one token more it
+    raises a ValueError naming the limit; the op itself splits such calls (above)."""
+    sm_count = registry.device_sm_count()
+    for num_heads in (16, 64, 128):
+        limit = sm90.plan_token_limit(num_heads, 2048, sm_count)
+        assert 16384 - sm_count <= limit < 16384  # one cluster tile per token at <= 128 heads
+        plan = sm90.plan_schedule(limit, num_heads, 2048, 0)
+        assert plan.num_works <= 16384
+        with pytest.raises(ValueError, match=f"at most {limit} tokens"):
+            native.module.sm90_schedule(limit + 1, num_heads, 2048, 0)
 
 
 # bf16 caches (FlashInfer's kernel) at 16 and 128 heads; the fp8 kernels' grid is
