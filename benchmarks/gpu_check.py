@@ -16,7 +16,7 @@ and the next one runs):
   indexer    bench_indexer.py: decode B {1, 32, 128} x L {8192, 65536, 131072}, native / auto /
              pure JAX / torch.topk / both one-CTA top-k builds by name, prefill at N = 65536
   conversion bench_index_conversion.py at T {1, 128, 1024, 8192}
-  example    examples/generate.py --preset deepseek-v3.2 --layers 4 --batch 32 --context 65536 with
+  example    examples/generate.py --preset deepseek-v3.2 --layers 4 --batch 32 --context 65536 --fill-context with
              --implementation auto, xla and native: wall ms/step as printed (15 steps, no profiler),
              and the device time per step from a profiler trace of 15 more steps (the sum of their
              kernel durations / 15; span: first kernel start to last kernel end / 15)
@@ -43,7 +43,8 @@ sys.path.insert(0, HERE)
 
 STEPS = ("build", "info", "tests", "sm90", "indexer", "conversion", "example")
 FAMILIES = {9: "sm90", 10: "sm100", 12: "sm120"}
-EXAMPLE = ["--preset", "deepseek-v3.2", "--layers", "4", "--batch", "32", "--context", "65536"]
+EXAMPLE = ["--preset", "deepseek-v3.2", "--layers", "4", "--batch", "32", "--context", "65536",
+           "--fill-context"]  # the decode step from random context rows (a prefill of 32 x 65536 is long)
 EXAMPLE_STEPS = 16  # --new-tokens: the first step compiles, the other 15 are timed
 
 

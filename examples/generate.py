@@ -1,15 +1,18 @@
 """Generate tokens with a small DeepSeek-V3.2-style decoder whose attention is jax-sparse-mla's sparse MLA.
 
     python examples/generate.py                                   # tiny preset, CPU, well under a minute
-    python examples/generate.py --preset deepseek-v3.2 --batch 32 --context 8192   # DeepSeek-V3.2 layers
+    python examples/generate.py --preset deepseek-v3.2 --batch 1 --context 65536  # TTFT, then decode
+    python examples/generate.py --preset deepseek-v3.2 --batch 32 --context 65536 --fill-context
     python examples/generate.py --kv-cache-dtype fp8_ds_mla       # vLLM's production MLA cache layout
 
 Random weights from a seed and a toy vocabulary: the tokens mean nothing, the path is the real one.
-The tiny preset prefills a batch of prompts of different lengths and then decodes with a jitted step
-(static shapes, KV caches donated). The large presets fill the cache with random latent rows for
---context positions instead of a prefill (a real 8k-token prefill of that batch is out of scope here)
-and then decode. The indexer is DeepSeek-V3.2's as vLLM runs it (fp8 keys in a uint8 index cache, the
-prefill through the gathered-key logits, decode through the paged logits). Before generating, the example
+Each request's prompt (the tiny preset: random lengths; the large presets: --context tokens) goes
+through the model in chunks of --prefill-chunk tokens, as vLLM's chunked prefill runs it: each chunk one
+jitted step over the cache written so far (static shapes: the last chunk is padded; caches donated).
+The example prints the time to first token, then decodes with a jitted step from the prefilled caches.
+--fill-context writes random latent rows for the large presets' context instead (fast, for decode
+timings). The indexer is DeepSeek-V3.2's as vLLM runs it (fp8 keys in a uint8 index cache, the prefill
+through the gathered-key logits, decode through the paged logits). Before generating, the example
 checks one attention layer against dense MLA attention restricted to the indexer's selection, and exits
 non-zero if they differ.
 
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from collections.abc import Mapping
 
@@ -175,6 +179,58 @@ def step_metadata(layout: PagedLayout, config: MLAConfig, req_ids, positions, qu
     return dataclasses.replace(metadata, seq_lens=seq_lens)
 
 
+def chunk_metadata(layout: PagedLayout, config: MLAConfig, request, start, num_real, chunk: int):
+    """Metadata of one prefill chunk of `chunk` tokens: positions start ... start + num_real - 1 of
+    request `request` (int32 scalars, traced), then padding (slot -1: nothing written; the last real
+    position, so its selection stays causal; its outputs are dropped). The chunk is a batch of one
+    request, that request's row of the block table, so every chunk of every request has the same
+    static metadata: the prefill step compiles once. Returns (metadata, positions [chunk] int32)."""
+    offsets = jnp.arange(chunk, dtype=jnp.int32)
+    positions = start + jnp.minimum(offsets, num_real - 1)
+    table = jax.lax.dynamic_slice_in_dim(jnp.asarray(layout.block_table), request, 1)
+    slots = table[0, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    common = jsm.CommonAttentionMetadata(
+        query_start_loc=jnp.asarray([0, chunk], jnp.int32),
+        seq_lens=jnp.reshape(start + num_real, (1,)).astype(jnp.int32), block_table_tensor=table,
+        slot_mapping=jnp.where(offsets < num_real, slots, -1).astype(jnp.int32), num_reqs=1,
+        num_actual_tokens=chunk, max_query_len=chunk, max_seq_len=layout.blocks_per_request * BLOCK_SIZE,
+        query_start_loc_cpu=(0, chunk))
+    builder = jsm.FlashInferMLASparseMetadataBuilder(num_heads=config.num_heads, block_size=BLOCK_SIZE,
+                                                     topk_tokens=config.index_topk)
+    return builder.build(common), positions
+
+
+def make_prefill_step(graphdef, layout: PagedLayout, config: MLAConfig, chunk: int):
+    """A jitted step (state, tokens [chunk] int32, request, start, num_real, caches) -> (the greedy next
+    token after position start + num_real - 1, the caches, donated): one prefill chunk through the model."""
+
+    def step(state, tokens, request, start, num_real, caches):
+        metadata, positions = chunk_metadata(layout, config, request, start, num_real, chunk)
+        logits, caches, _ = nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
+        return jnp.argmax(logits[num_real - 1]).astype(jnp.int32), caches
+
+    return jax.jit(step, donate_argnums=5)
+
+
+def prefill(prefill_step, state, caches, prompts: list[np.ndarray], chunk: int):
+    """Runs each request's prompt through prefill_step in chunks of `chunk` tokens (the last one
+    padded), request after request, as vLLM's chunked prefill schedules a prompt.
+    Returns (first generated token per request [B] int32, caches, wall seconds of each chunk)."""
+    first_tokens, chunk_seconds = [], []
+    for request, prompt in enumerate(prompts):
+        for start in range(0, len(prompt), chunk):
+            num_real = min(chunk, len(prompt) - start)
+            tokens = np.zeros(chunk, np.int32)
+            tokens[:num_real] = prompt[start:start + num_real]
+            began = time.perf_counter()
+            token, caches = prefill_step(state, jnp.asarray(tokens), np.int32(request), np.int32(start),
+                                         np.int32(num_real), caches)
+            token.block_until_ready()
+            chunk_seconds.append(time.perf_counter() - began)
+        first_tokens.append(token)
+    return jnp.stack(first_tokens), caches, chunk_seconds
+
+
 def dense_reference(attn: MLASparseAttention, x, positions, cache: LayerCache, req_ids, topk, layout,
                     tokens_to_check):
     """Un-absorbed dense MLA attention (per-head K = W_UK kv_c ++ k_pe, V = W_UV kv_c) over each token's
@@ -249,7 +305,13 @@ def main(argv=None) -> dict:
                         help="the pattern's offset (see --index-topk-freq)")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=8192,
-                        help="large presets: cached positions per request before decoding")
+                        help="large presets: prompt tokens per request before decoding")
+    parser.add_argument("--prefill-chunk", type=int, default=8192,
+                        help="prompt tokens per prefill step (vLLM's max_num_batched_tokens); a "
+                             "prompt goes through in chunks of this many, the last one padded")
+    parser.add_argument("--fill-context", action="store_true",
+                        help="large presets: instead of prefilling, write random latent rows and "
+                             "indexer keys for the --context positions (fast; for decode timings)")
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
@@ -267,7 +329,14 @@ def main(argv=None) -> dict:
                         help="after the timed steps, decode new_tokens - 1 more under the JAX profiler "
                              "and write its trace here (the GPU's kernel times per step; "
                              "benchmarks/gpu_check.py reads it)")
+    parser.add_argument("--prefill-trace-dir", default=None,
+                        help="after the timed prefill, run request 0's last chunk again (the same rows "
+                             "rewritten) under the JAX profiler and write its trace here "
+                             "(benchmarks/bench_prefill.py reads it)")
+    parser.add_argument("--json", default=None, help="write the run's numbers to this JSON file")
     args = parser.parse_args(argv)
+    if args.prefill_chunk < 1:
+        parser.error(f"--prefill-chunk must be positive, got {args.prefill_chunk}")
 
     config = PRESETS[args.preset]
     tiny = args.preset == "tiny"
@@ -298,29 +367,44 @@ def main(argv=None) -> dict:
     caches = tuple(empty_layer_cache(config, layout.num_blocks, BLOCK_SIZE, args.kv_cache_dtype,
                                      shared_indexer=kind == "shared") for kind in indexer_types)
 
-    if tiny:
-        req_ids = jnp.asarray(np.repeat(np.arange(args.batch), prompt_lens), jnp.int32)
-        positions = jnp.asarray(np.concatenate([np.arange(n) for n in prompt_lens]), jnp.int32)
-        prompt = jnp.asarray(rng.integers(0, args.vocab, int(prompt_lens.sum())), jnp.int32)
-        metadata = step_metadata(layout, config, req_ids, positions, prompt_lens)
-
-        @jax.jit
-        def prefill(state, tokens, positions, caches, metadata):
-            logits, caches, _ = nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
-            return logits, caches
-
-        start = time.perf_counter()
-        logits, caches = prefill(state, prompt, positions, caches, metadata)
-        last = np.cumsum(prompt_lens) - 1
-        tokens = jnp.argmax(logits[last], axis=-1).astype(jnp.int32)
-        tokens.block_until_ready()
-        print(f"prefill: {int(prompt_lens.sum())} prompt tokens (lengths {prompt_lens.tolist()}) "
-              f"in {time.perf_counter() - start:.2f} s (compile included)")
-    else:
+    prefill_stats = {}
+    if args.fill_context and not tiny:
         caches = fill_context(caches, layout, config, args.context, args.seed, args.kv_cache_dtype)
         tokens = jnp.asarray(rng.integers(0, args.vocab, args.batch), jnp.int32)
         print(f"context: {args.context} random latent rows and indexer keys per request written with "
               "concat_and_cache_mla and indexer_k_quant_and_cache (no prefill)")
+    else:
+        prompts = [rng.integers(0, args.vocab, n).astype(np.int32) for n in prompt_lens]
+        # No chunk longer than the longest prompt needs (whole blocks).
+        chunk = min(args.prefill_chunk, -(-int(prompt_lens.max()) // BLOCK_SIZE) * BLOCK_SIZE)
+        began = time.perf_counter()
+        scalar = np.int32(0)
+        prefill_step = make_prefill_step(graphdef, layout, config, chunk).lower(
+            state, jnp.zeros(chunk, jnp.int32), scalar, scalar, np.int32(1), caches).compile()
+        compile_seconds = time.perf_counter() - began
+        tokens, caches, chunk_seconds = prefill(prefill_step, state, caches, prompts, chunk)
+        ttft = sum(chunk_seconds)
+        prompt_tokens = int(prompt_lens.sum())
+        prefill_stats = dict(prefill_chunk=chunk, prompt_tokens=prompt_tokens, ttft_ms=ttft * 1e3,
+                             prefill_tokens_per_s=prompt_tokens / ttft,
+                             chunk_ms=[round(t * 1e3, 2) for t in chunk_seconds])
+        if args.prefill_trace_dir:
+            last_start = (len(prompts[0]) - 1) // chunk * chunk
+            tokens0 = np.zeros(chunk, np.int32)
+            tokens0[:len(prompts[0]) - last_start] = prompts[0][last_start:]
+            with jax.profiler.trace(args.prefill_trace_dir, create_perfetto_trace=True):
+                _, caches = prefill_step(state, jnp.asarray(tokens0), np.int32(0), np.int32(last_start),
+                                         np.int32(len(prompts[0]) - last_start), caches)
+                jax.block_until_ready(caches)
+        memory = jax.devices()[0].memory_stats() or {}
+        if "peak_bytes_in_use" in memory:
+            prefill_stats["peak_bytes"] = int(memory["peak_bytes_in_use"])
+        print(f"prefill: {args.batch} x {'/'.join(map(str, sorted(set(prompt_lens.tolist()))))} prompt "
+              f"tokens in {len(chunk_seconds)} chunks of {chunk}: {ttft:.3f} s "
+              f"({prompt_tokens / ttft:,.0f} tokens/s; chunks {chunk_seconds[0] * 1e3:.1f} -> "
+              f"{chunk_seconds[-1] * 1e3:.1f} ms; compiled in {compile_seconds:.1f} s)"
+              + (f", peak device memory {prefill_stats['peak_bytes'] / 2**30:.2f} GiB"
+                 if "peak_bytes" in prefill_stats else ""))
     positions = jnp.asarray(prompt_lens, jnp.int32)  # the next token's position
     decode_req_ids = jnp.arange(args.batch, dtype=jnp.int32)
     decode_lens = np.ones(args.batch, np.int64)
@@ -392,8 +476,13 @@ def main(argv=None) -> dict:
           f"{100 * attention_seconds / step_seconds:.0f}% of the step")
     if not ok:
         raise SystemExit("correctness check FAILED")
-    return dict(preset=args.preset, batch=args.batch, layers=num_layers, step_ms=step_seconds * 1e3,
-                tokens_per_second=tokens_per_second, attention_ms=attention_seconds * 1e3, check_error=error)
+    result = dict(preset=args.preset, batch=args.batch, layers=num_layers, step_ms=step_seconds * 1e3,
+                  tokens_per_second=tokens_per_second, attention_ms=attention_seconds * 1e3,
+                  check_error=error, **prefill_stats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":

@@ -95,3 +95,30 @@ def test_a_row_over_the_copy_ceiling_is_measured_again_then_flagged():
     row = record.measure("ok", measure(2.0), 1e6, op="x")
     assert row["us"] == 2.0 and row["gbps"] == 500.0 and "flag" not in row and calls[-1] == 2.0
     assert len(calls) == 3
+
+
+def test_prefill_flops_count_each_token(tmp_path):
+    """bench_prefill's FLOP count against a token-by-token sum: token p attends min(p + 1, top-k) keys
+    and scores p + 1 indexer keys; and its kernel kinds from a synthetic trace."""
+    bench = _benchmark_module("bench_prefill")
+    for prompt_len in (5, bench.TOPK, bench.TOPK + 37):
+        keys = sum(min(p + 1, bench.TOPK) for p in range(prompt_len))
+        scored = sum(p + 1 for p in range(prompt_len))
+        flops = bench.flops_by_kind(prompt_len, batch=3, layers=2)
+        assert flops["attention"] == 3 * 2 * 2 * bench.HEADS * (512 + 64 + 512) * keys
+        assert flops["logits"] == 3 * 2 * 2 * 64 * 128 * scored
+        assert flops["gemm"] == 3 * 2 * prompt_len * bench.gemm_flops_per_token()
+    meta = lambda kind, pid, name, tid=0: dict(ph="M", name=kind, pid=pid, tid=tid,  # noqa: E731
+                                                args=dict(name=name))
+    x = lambda name, dur, tid=14: dict(ph="X", pid=1, tid=tid, name=name, ts=0.0, dur=dur)  # noqa: E731
+    _write_trace(tmp_path, [
+        meta("process_name", 1, "/device:GPU:0"), meta("thread_name", 1, "Stream #14(Compute)", 14),
+        meta("thread_name", 1, "XLA Ops", 2),
+        x("void jax_sparse_mla::MqaLogitsKernel<...>", 10.0), x("TopKClusterKernel", 4.0),
+        x("BatchMLAPageAttentionHopperKernel", 6.0), x("PackAndClamp", 1.0),
+        x("nvjet_tst_256x128_64x4_2x1_v_bz_TNT", 20.0), x("loop_add_fusion", 3.0),
+        x("custom-call.3", 99.0, tid=2),  # the op line repeats the kernels: not counted
+    ])
+    by_kind, top = bench.kernel_time_by_kind(str(tmp_path))
+    assert by_kind == {"logits": 10.0, "top-k": 4.0, "attention": 7.0, "GEMMs": 20.0, "rest": 3.0}
+    assert top[0] == ("nvjet_tst_256x128_64x4_2x1_v_bz_TNT", 20.0)
