@@ -66,6 +66,11 @@ constexpr int64_t kHeadDimQk = 576;  // kv_lora_rank 512 + qk_rope_head_dim 64
 constexpr int64_t kHeadDimVo = 512;
 // launcher.cu kTrtllmGenSoftmaxStatsGuardBytes: pad after the softmax-stats carve-out.
 constexpr size_t kSoftmaxStatsGuardBytes = 1 << 20;
+// FlashInfer launches the requests along the grid's z dimension (fmhaKernels.cuh: numCtasZ =
+// mBatchSize), which CUDA bounds at 65535. A larger batch must be rejected before the launch: the
+// launch's cuErrCheck only prints a failed cuLaunchKernelEx, and cudaGetLastError does not see
+// driver-API errors, so the call would return Success with out and lse never written.
+constexpr int64_t kMaxBatch = 65535;
 
 #ifdef JAX_SPARSE_MLA_TRTLLM_GEN_STUB_METAINFO
 constexpr int64_t kNumKernels = 0;
@@ -183,9 +188,14 @@ struct Shape {
   int sm_count = 0;
 };
 
-// The handler's own checks (FlashInfer's mla/_core.py and launcher checks for this path), shared
-// with the dry run. "" when the shape is accepted.
+// The handler's own checks (FlashInfer's mla/_core.py and launcher checks for this path, and the
+// launch grid's batch limit), shared with the dry run. "" when the shape is accepted.
 std::string CheckShape(const Shape& shape) {
+  if (shape.batch > kMaxBatch) {
+    // sm100_trtllm_gen.py runs a call of more tokens (one request each) as several launches.
+    return "batch must be at most 65535 (the launch grid's z dimension), got " +
+           std::to_string(shape.batch);
+  }
   if (shape.page_size != 32 && shape.page_size != 64) return "page_size must be 32 or 64";
   if (shape.num_heads > 64 && shape.num_heads < 128) {
     return "64 < num_heads < 128 is not supported";

@@ -65,6 +65,8 @@ cudaError_t Launch(int num_heads, int top_k, const bf16* q, const uint8_t* kv_ca
                      /*stride_indices_token=*/static_cast<size_t>(top_k), stride_kv_row,
                      flashinfer::uint_fastdiv(static_cast<uint32_t>(page_size)));
   if (cudaError_t status = cudaGetLastError(); status != cudaSuccess) return status;
+  // Also for one split (the plan's choice at prefill sizes): the merge then weighs the partial by
+  // exp2(0) = 1, so it copies the bf16 partial exactly and scales its lse.
   constexpr int kMergeThreads = 64;
   auto merge = smla::sparse_mla_decode_dsv4_merge_kernel<NUM_HEADS, KV::D_V, kMergeThreads,
                                                          KV::D_V / kMergeThreads>;

@@ -7,10 +7,17 @@ namespace {
 
 // attention_resolve.cu resolve_wave_cpb (requested_cpb = 0): the chunks-per-CTA that fills whole
 // waves best, at most 3 waves.
+//
+// One deviation from FlashInfer: when the tokens' CTAs alone (one split) take more than 3 waves, no
+// candidate fits and FlashInfer keeps cpb = 1, the most splits (32 at K = 2048), whose split-K
+// scratch is 32 times the output (64 GiB at T = 16384, H = 128). Splitting K only helps while the
+// tokens leave SMs idle, and FlashInfer already takes one split (cpb = chunks) from 1.5 waves of
+// tokens up to 3, where only that candidate fits; so this takes one split above 3 waves too.
 int ResolveWaveCpb(int64_t tokens, int64_t head_blocks, int chunks, int64_t sm_count) {
+  const int64_t per_token_head = tokens * head_blocks;
+  if (per_token_head > 3 * sm_count) return chunks;
   int cpb = 1;
   float best_gap = 2.0f;
-  const int64_t per_token_head = tokens * head_blocks;
   for (int candidate = 1; candidate <= chunks; ++candidate) {
     const int eff = (chunks + candidate - 1) / candidate;
     const int64_t active = per_token_head * eff;

@@ -24,8 +24,9 @@ struct Sm120Plan {
 };
 
 // FlashInfer's resolve_attention for a variant-0 (decode) DSv3.2 problem without a dual cache
-// (csrc/sparse_mla_sm120/attention_resolve.cu: resolve_wave_cpb and the decode branch). Returns ""
-// and fills *plan, or an error message.
+// (csrc/sparse_mla_sm120/attention_resolve.cu: resolve_wave_cpb and the decode branch), except that
+// a problem whose tokens alone take more than 3 waves gets one split instead of FlashInfer's most
+// (sm120_plan.cc says why). Returns "" and fills *plan, or an error message.
 std::string PlanSm120Decode(int64_t num_tokens, int64_t num_heads, int64_t top_k,
                             int64_t sm_count, Sm120Plan* plan);
 

@@ -18,7 +18,9 @@ seq_lens = its number of valid slots, max_seq_len = sparse_mla_top_k = K. The ke
 seq_lens[t] entries of a row and its behaviour on -1 inside that prefix is not documented, so the valid
 slots are first compacted to the front (stable, in XLA), with -1 after them as vLLM passes. A token
 with no valid slot gets seq_lens = 0 (vLLM does the same) and its output is then forced to out = 0,
-lse = -inf, as vLLM's impl does. The kernel's LSE is base 2; it is converted here.
+lse = -inf, as vLLM's impl does. The kernel's LSE is base 2; it is converted here. One request per
+token makes the batch T, and FlashInfer launches the requests along the grid's z dimension, so a call
+of more than MAX_TOKENS_PER_LAUNCH tokens runs as several launches (`registry.in_token_pieces`).
 
 Not run on SM100 hardware here: compiled for sm_100a/sm_103a; kernel selection, cubin lookup and launch
 set-up checked on CPU only.
@@ -26,6 +28,7 @@ set-up checked on CPU only.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -44,6 +47,9 @@ _SOFTMAX_STATS_GUARD = 1 << 20
 # An upper bound on any GPU's SM count, for the counter buffer's size (the handler checks the real one).
 _MAX_SM_COUNT = 1024
 PAGE_SIZES = (32, 64)
+# Requests (here tokens) are the launch grid's z dimension (fmhaKernels.cuh: numCtasZ = mBatchSize),
+# which CUDA bounds at 65535; the handler rejects more (kMaxBatch in trtllm_gen_decode.cu).
+MAX_TOKENS_PER_LAUNCH = 65535
 # vLLM's rule for this kernel: the query has the cache's dtype (an fp8 cache needs an fp8 query).
 QUERY_DTYPE_FOR_LAYOUT = {
     "bfloat16": "bfloat16",
@@ -131,13 +137,29 @@ def counter_bytes(num_tokens: int, num_heads: int) -> int:
     return -(-slots // 8) * 8 * 4
 
 
+def _out_dtype(q: jax.Array) -> jnp.dtype:
+    """The contract's output dtype: f16 for an f16 query, else bf16 (the kernel writes bf16)."""
+    return jnp.dtype(jnp.float16 if q.dtype == jnp.float16 else jnp.bfloat16)
+
+
 def _trtllm_gen_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_scale, lse_base):
-    """TRTLLM-gen kernel (contract in kernels/registry.py): q and cache both bf16, both f16 or both fp8 e4m3."""
+    """TRTLLM-gen kernel (contract in kernels/registry.py): q and cache both bf16, both f16 or both fp8
+    e4m3. More than MAX_TOKENS_PER_LAUNCH tokens run as several launches."""
     num_tokens, num_heads, _ = q.shape
-    out_dtype = jnp.float16 if q.dtype == jnp.float16 else jnp.bfloat16
     if num_tokens == 0:
-        return (jnp.zeros((0, num_heads, v.MLA_V_DIM), out_dtype),
+        return (jnp.zeros((0, num_heads, v.MLA_V_DIM), _out_dtype(q)),
                 jnp.zeros((0, num_heads), jnp.float32))
+    piece = functools.partial(_trtllm_gen_launch, kv_cache=kv_cache, bmm1_scale=bmm1_scale,
+                              bmm2_scale=bmm2_scale, lse_base=lse_base)
+    return registry.in_token_pieces(piece, MAX_TOKENS_PER_LAUNCH, q, indices, valid_counts)
+
+
+def _trtllm_gen_launch(q: jax.Array, indices: jax.Array, valid_counts: jax.Array | None, *,
+                       kv_cache: jax.Array, bmm1_scale: float, bmm2_scale: float,
+                       lse_base: str) -> tuple[jax.Array, jax.Array]:
+    """One custom call over 1 to MAX_TOKENS_PER_LAUNCH tokens: q [T, H, 576], indices [T, K],
+    valid_counts [T] or None -> (out [T, H, 512], lse [T, H]); the workspace follows this T."""
+    num_tokens, num_heads, _ = q.shape
     num_keys = indices.shape[1]
     num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     slots, counts = compact_slots(registry.sanitize_indices(indices, num_slots, valid_counts))
@@ -164,7 +186,7 @@ def _trtllm_gen_kernel(q, kv_cache, indices, valid_counts, *, bmm1_scale, bmm2_s
     if lse_base == "e":
         lse = lse * np.float32(math.log(2.0))
     out, lse = registry.mask_empty_rows(out, lse, counts == 0)
-    return out.astype(out_dtype), lse
+    return out.astype(_out_dtype(q)), lse
 
 
 registry.register_kernel(registry.SparseMLAKernel(

@@ -4,7 +4,10 @@ The handler in `ffi/sm120/sm120_decode.cu` launches FlashInfer's split-K decode 
 fp8_ds_mla rows (512 e4m3 latent values, 4 fp32 tile scales, 64 bf16 RoPE values) and its merge kernel,
 on the XLA stream, as FlashInfer's dsv32 dispatch does. The split-K plan (chunks per CTA, number of
 splits) is FlashInfer's resolve_attention, computed once per static shape on the host
-(`sm120_plan`) so that the scratch buffers are static extra results of the call.
+(`sm120_plan`) so that the scratch buffers are static extra results of the call. It deviates in one
+case: where the tokens alone fill more than 3 waves of CTAs (prefill sizes), FlashInfer's rule falls
+back to the most splits (32 at K = 2048, a scratch 32 times the output); the plan takes one split,
+so the scratch [T, scratch_heads, 1, 512] is the output's size.
 
 The kernel takes -1 holes anywhere (a zero row with logit -1e30) and scans each row to K, so the
 sanitised indices go in unchanged. It is instantiated with arbitrary fp32 tile scales (FlashInfer's
@@ -50,7 +53,8 @@ def check_problem(problem: registry.Problem, capability: tuple[int, int] | None 
 
 @functools.lru_cache(maxsize=512)
 def plan(num_tokens: int, num_heads: int, num_keys: int, sm_count: int) -> dict:
-    """FlashInfer's split-K plan for a static shape (ffi/sm120/sm120_plan.cc)."""
+    """FlashInfer's split-K plan for a static shape, with one split at prefill sizes
+    (ffi/sm120/sm120_plan.cc): dict of chunks, chunks_per_block, num_splits, scratch_heads."""
     return dict(native.module.sm120_plan(num_tokens, num_heads, num_keys, sm_count))
 
 

@@ -339,9 +339,13 @@ def test_checksum_check_can_be_disabled(cubin_dirs, monkeypatch):
 
 
 def _plan_reference(tokens, heads, top_k, sm_count):
-    """FlashInfer's resolve_wave_cpb and decode branch (attention_resolve.cu), in Python."""
+    """FlashInfer's resolve_wave_cpb and decode branch (attention_resolve.cu), in Python, except where
+    even one split needs more than 3 waves: there FlashInfer keeps the most splits, the plan one."""
     chunks = -(-top_k // 64)
     per_token_head = tokens * -(-heads // 16)
+    if per_token_head > 3 * sm_count:
+        return dict(chunks=chunks, chunks_per_block=chunks, num_splits=1,
+                    scratch_heads=8 if heads == 8 else -(-heads // 16) * 16)
     cpb, best_gap = 1, 2.0
     for candidate in range(1, chunks + 1):
         active = per_token_head * -(-chunks // candidate)
