@@ -13,10 +13,6 @@ tests/kernels/test_prefill_gpu.py.
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -27,59 +23,15 @@ pytest.importorskip("flax")
 pytest.importorskip("tqdm")  # examples/generate.py imports it
 from flax import nnx  # noqa: E402
 
-from jax_sparse_mla.flax import TINY, empty_layer_cache  # noqa: E402
+from jax_sparse_mla.flax import TINY  # noqa: E402
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "generate.py"
-VOCAB = 512
+from decoder_example import VOCAB, assert_logits_close, build, chunk_logits, prefill_all  # noqa: E402
+from decoder_example import example as load_example  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("generate_example_prefill", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # the example's dataclasses resolve annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-def build(example, batch: int, max_len: int, layers: int = 2):
-    model = example.Decoder(TINY, layers, VOCAB, rngs=nnx.Rngs(0), implementation="xla")
-    layout = example.PagedLayout(batch, -(-max_len // example.BLOCK_SIZE))
-    caches = tuple(empty_layer_cache(TINY, layout.num_blocks, example.BLOCK_SIZE) for _ in range(layers))
-    graphdef, state = nnx.split(model)
-    return graphdef, state, layout, caches
-
-
-def chunk_logits(example, graphdef, state, layout, caches, prompt, request, start, num_real, chunk):
-    """One chunk through the model: (logits [num_real, vocab], top-k per layer [num_real, k], caches)."""
-    tokens = np.zeros(chunk, np.int32)
-    tokens[:num_real] = prompt[start:start + num_real]
-
-    @jax.jit
-    def step(state, tokens, caches):
-        metadata, positions = example.chunk_metadata(layout, TINY, np.int32(request), np.int32(start),
-                                                     np.int32(num_real), chunk)
-        return nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
-
-    logits, caches, topks = step(state, jnp.asarray(tokens), caches)
-    return logits[:num_real], [t[:num_real] for t in topks], caches
-
-
-def prefill_all(example, graphdef, state, layout, caches, prompt, request, chunk):
-    """The whole prompt in chunks of `chunk`: (logits [P, vocab], top-k per layer [P, k], caches)."""
-    logits, topks = [], []
-    for start in range(0, len(prompt), chunk):
-        num_real = min(chunk, len(prompt) - start)
-        out, tk, caches = chunk_logits(example, graphdef, state, layout, caches, prompt, request, start,
-                                       num_real, chunk)
-        logits.append(out)
-        topks.append(tk)
-    return (jnp.concatenate(logits), [jnp.concatenate(layer) for layer in zip(*topks)], caches)
-
-
-def assert_logits_close(actual, expected):
-    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
-    assert np.abs(actual - expected).max() <= 2e-2 * np.abs(expected).max()
+    return load_example()
 
 
 # 300 tokens > index_topk = 128, so the indexer really selects; chunks of 80 and 112 cut the 64-row
@@ -87,10 +39,10 @@ def assert_logits_close(actual, expected):
 @pytest.mark.parametrize("chunk", [80, 112])
 def test_chunked_prefill_equals_one_step(example, chunk):
     prompt = np.random.default_rng(0).integers(0, VOCAB, 300).astype(np.int32)
-    graphdef, state, layout, caches = build(example, 2, 320)
-    whole_logits, whole_topks, whole_caches = prefill_all(example, graphdef, state, layout, caches,
+    graphdef, state, layout, caches = build(TINY, 2, 320)
+    whole_logits, whole_topks, whole_caches = prefill_all(TINY, graphdef, state, layout, caches,
                                                           prompt, 1, len(prompt))
-    logits, topks, chunked_caches = prefill_all(example, graphdef, state, layout, caches, prompt, 1,
+    logits, topks, chunked_caches = prefill_all(TINY, graphdef, state, layout, caches, prompt, 1,
                                                 chunk)
     assert whole_topks[0].shape == (300, TINY.index_topk)
     selected = np.asarray((whole_topks[0] >= 0).sum(-1))
@@ -114,11 +66,11 @@ def test_mixed_step_equals_decode_and_chunk_apart(example):
     """Requests 0 and 1 decode one token each while request 2's prompt is in its second chunk: one
     step (decode tokens first, vLLM's order) against a decode step and a chunk step."""
     rng = np.random.default_rng(1)
-    graphdef, state, layout, caches = build(example, 3, 400)
+    graphdef, state, layout, caches = build(TINY, 3, 400)
     prompts = [rng.integers(0, VOCAB, n).astype(np.int32) for n in (150, 200, 300)]
     for request in (0, 1):
-        *_, caches = prefill_all(example, graphdef, state, layout, caches, prompts[request], request, 96)
-    *_, caches = chunk_logits(example, graphdef, state, layout, caches, prompts[2], 2, 0, 96, 96)
+        *_, caches = prefill_all(TINY, graphdef, state, layout, caches, prompts[request], request, 96)
+    *_, caches = chunk_logits(TINY, graphdef, state, layout, caches, prompts[2], 2, 0, 96, 96)
     decode_tokens = jnp.asarray(rng.integers(0, VOCAB, 2), jnp.int32)
     decode_positions = jnp.asarray([150, 200], jnp.int32)
     chunk_tokens = jnp.asarray(prompts[2][96:192])
@@ -136,7 +88,7 @@ def test_mixed_step_equals_decode_and_chunk_apart(example):
                                    [1, 1, 0])
     decode_logits, apart_caches, decode_topks = run(state, decode_tokens, decode_positions, caches,
                                                     decode)
-    chunk_out, chunk_topks, apart_caches = chunk_logits(example, graphdef, state, layout, apart_caches,
+    chunk_out, chunk_topks, apart_caches = chunk_logits(TINY, graphdef, state, layout, apart_caches,
                                                         prompts[2], 2, 96, 96, 96)
     np.testing.assert_array_equal(np.asarray(mixed_topks[0][:2]), np.asarray(decode_topks[0]))
     np.testing.assert_array_equal(np.asarray(mixed_topks[0][2:]), np.asarray(chunk_topks[0]))
@@ -158,7 +110,7 @@ def _intermediate_shapes(jaxpr) -> list[tuple[int, ...]]:
 
 
 def _prefill_step_memory(example, prompt_len: int, chunk: int):
-    graphdef, state, layout, caches = build(example, 1, prompt_len + 1)
+    graphdef, state, layout, caches = build(TINY, 1, prompt_len + 1)
     step = example.make_prefill_step(graphdef, layout, TINY, chunk)
     args = (state, jnp.zeros(chunk, jnp.int32), np.int32(0), np.int32(0), np.int32(chunk), caches)
     jaxpr = jax.make_jaxpr(step)(*args)
