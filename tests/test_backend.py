@@ -2,6 +2,8 @@
 weight absorption (vLLM's test_sparse_backend_decode_correctness), plus the metadata builder and the
 backend classes."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -200,6 +202,18 @@ def test_builder_mixed_batch_under_jit_needs_host_copies():
     builder = jsm.FlashInferMLASparseMetadataBuilder(num_heads=16)
     with pytest.raises(ValueError, match="query_start_loc_cpu"):
         jax.jit(builder.build)(_common([1, 500], [10, 600], host=False))
+
+
+def test_builder_prefill_under_jit_with_traced_seq_lens():
+    """A chunked prefill's step: the query split on the host, seq_lens traced without a host copy;
+    prefill_max_seq_len is then the static bound max_seq_len (with the copy, the longest prefill)."""
+    builder = jsm.FlashInferMLASparseMetadataBuilder(num_heads=128)
+    common = _common([4096], [10000], host=False)
+    common = dataclasses.replace(common, query_start_loc_cpu=(0, 4096), max_seq_len=16384)
+    md = jax.jit(builder.build)(common)
+    assert (md.num_decodes, md.num_prefills, md.prefill_max_seq_len) == (0, 1, 16384)
+    md = builder.build(dataclasses.replace(common, seq_lens_cpu=(10000,)))
+    assert md.prefill_max_seq_len == 10000
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -59,7 +59,8 @@ class FlashInferMLASparseMetadata:
     Arrays: query_start_loc [R + 1], slot_mapping [T], block_table [R, W], req_id_per_token [T] (padded
     tokens map to request 0), seq_lens [R] (global, not DCP-local), all int32 (slot_mapping may be int64).
     Static: the batch sizes, the decode/prefill split, block_size, topk_tokens and
-    cp_kv_cache_interleave_size. vLLM's `prefill` (dense MHA prefill) metadata has no counterpart: this
+    cp_kv_cache_interleave_size. prefill_max_seq_len is the longest prefill request's seq_len, or
+    max_seq_len when seq_lens was traced and given without a host copy. vLLM's `prefill` (dense MHA prefill) metadata has no counterpart: this
     port runs every token through sparse MQA, which equals dense MHA while prefill lengths <= top-k.
     """
 
@@ -229,8 +230,11 @@ class FlashInferMLASparseMetadataBuilder:
         num_decodes, num_prefills, num_decode_tokens, _ = split
         prefill_max_seq_len = 0
         if num_prefills:
-            seq_lens = _host_ints("seq_lens", seq_lens_host, seq_lens_arr)
-            prefill_max_seq_len = int(seq_lens[num_decodes:].max(initial=0))
+            seq_lens = seq_lens_host if seq_lens_host is not None else v.host_values(seq_lens_arr)
+            # Traced seq_lens without a host copy (a chunked prefill's step under jit): the caller's
+            # static bound max_seq_len stands in for the longest prefill.
+            prefill_max_seq_len = (max_seq_len if seq_lens is None
+                                   else int(np.asarray(seq_lens)[num_decodes:].max(initial=0)))
         return FlashInferMLASparseMetadata(
             query_start_loc=qsl_arr,
             slot_mapping=slot_mapping[:num_tokens],
