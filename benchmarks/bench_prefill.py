@@ -8,7 +8,7 @@ chunk one jitted step over the cache written so far, caches donated; then a few 
 prefilled caches), so each row's peak device memory is its own. A row holds:
 
   ttft_ms       wall time of all chunks of all requests (each chunk waited for: vLLM samples after
-                each step), after compilation
+                each step), after compilation and one warm-up chunk
   tokens_per_s  prompt tokens over ttft_ms
   peak_bytes    JAX's peak device memory of the process (caches, weights and one chunk's work)
   limit_ms      the prefill's FLOPs over the rates measured in this run: GEMMs and sparse attention at
@@ -17,8 +17,8 @@ prefilled caches), so each row's peak device memory is its own. A row holds:
                 trace of that chunk run again (the same rows rewritten)
   chunk_ms      wall time of each chunk (first -> last shows the growth with the context)
 
-Rows go to <out>/prefill_<card>.json as they come. Pure JAX (`xla`) runs only prompts up to
---xla-max-prompt tokens (its per-chunk time at 32768 is over 10x auto's).
+Rows go to <out>/prefill_<card>.json as they come. Pure JAX (`xla`) runs only --xla-prompts (1 x
+32768: its chunks take over 10x auto's).
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=8192)
     parser.add_argument("--kv-cache-dtypes", nargs="+", default=["auto", "fp8_ds_mla"])
     parser.add_argument("--implementations", nargs="+", default=["auto", "xla"])
-    parser.add_argument("--xla-max-prompt", type=int, default=32768)
+    parser.add_argument("--xla-prompts", default="1x32768",
+                        help="the BATCHxPROMPT_LEN that pure JAX runs (comma-separated)")
     parser.add_argument("--no-trace", action="store_true")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per example run")
     parser.add_argument("--out", default=None, help="folder for prefill_<card>.json")
@@ -152,15 +153,15 @@ def main() -> None:
         for implementation in args.implementations:
             for shape in args.prompts.split(","):
                 batch, prompt_len = (int(x) for x in shape.split("x"))
-                if implementation == "xla" and prompt_len > args.xla_max_prompt:
+                if implementation == "xla" and shape not in args.xla_prompts.split(","):
                     continue
                 flops = flops_by_kind(prompt_len, batch, 4)
                 limit_ms = 1e3 * ((flops["gemm"] + flops["attention"]) / (bf16_tflops * 1e12)
                                   + flops["logits"] / (e4m3_tflops * 1e12))
                 result = run_example(batch, prompt_len, args.chunk, kv_cache_dtype, implementation,
                                      not args.no_trace, args.timeout)
-                row = dict(kv_cache_dtype=kv_cache_dtype, implementation=implementation, batch=batch,
-                           prompt_len=prompt_len, limit_ms=limit_ms, flops=flops, **result)
+                row = dict(result, kv_cache_dtype=kv_cache_dtype, implementation=implementation,
+                           batch=batch, prompt_len=prompt_len, limit_ms=limit_ms, flops=flops)
                 rows.append(row)
                 if "error" in result:
                     print(f"{kv_cache_dtype:10s} {implementation:5s} {batch}x{prompt_len}: FAILED\n"

@@ -20,8 +20,11 @@ and the next one runs):
              --implementation auto, xla and native: wall ms/step as printed (15 steps, no profiler),
              and the device time per step from a profiler trace of 15 more steps (the sum of their
              kernel durations / 15; span: first kernel start to last kernel end / 15)
+  prefill    bench_prefill.py: time to first token of 1 x {8192, 32768, 65536, 131072} and 8 x 8192
+             prompts in chunks of 8192 (bf16 and fp8_ds_mla caches, auto; pure JAX up to 32768),
+             beside the prefill's FLOP limit at the run's measured rates
 Results: DIR/sm90_<card>.json (+ .png), indexer_<card>.json, index_conversion_<card>.json,
-gpu_check_<card>.json (the steps' status and times, the example's steps), gpu_check_<card>.log.
+prefill_<card>.json, gpu_check_<card>.json (the steps' status and times, the example's steps), gpu_check_<card>.log.
 The last thing printed is a one-screen summary. Tests and benchmarks import the installed package
 (python -P), never the source tree.
 """
@@ -41,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-STEPS = ("build", "info", "tests", "sm90", "indexer", "conversion", "example")
+STEPS = ("build", "info", "tests", "sm90", "indexer", "conversion", "example", "prefill")
 FAMILIES = {9: "sm90", 10: "sm100", 12: "sm120"}
 EXAMPLE = ["--preset", "deepseek-v3.2", "--layers", "4", "--batch", "32", "--context", "65536",
            "--fill-context"]  # the decode step from random context rows (a prefill of 32 x 65536 is long)
@@ -179,6 +182,16 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
         if "device_ms" in examples.get("auto", {}) and "device_ms" in examples.get("xla", {}):
             lines.append(f"    auto / pure JAX: {examples['xla']['device_ms'] / examples['auto']['device_ms']:.2f}x "
                          "tokens/s")
+    prefill = rows(os.path.join(out, f"prefill_{card}.json"))
+    if prefill:
+        lines.append("  prefill, 4 DeepSeek-V3.2 layers, chunks of 8192 (TTFT ms; limit; tokens/s):")
+        for r in prefill:
+            head = f"    {r['kv_cache_dtype']:>10} {r['implementation']:4s} {r['batch']} x {r['prompt_len']:6d}"
+            if "ttft_ms" in r:
+                lines.append(f"{head}: {r['ttft_ms']:8.1f} (limit {r['limit_ms']:.1f}, "
+                             f"{r['ttft_ms'] / r['limit_ms']:.2f}x), {r['prefill_tokens_per_s']:,.0f}")
+            else:
+                lines.append(f"{head}: failed (see the log)")
     return lines
 
 
@@ -260,6 +273,11 @@ def main() -> None:
                 state["example"].append(result)
                 seconds += result["seconds"]
             record(step, max(e["status"] for e in state["example"]), seconds)
+        elif step == "prefill":
+            status, _, seconds = log.run("prefill", [
+                *python, os.path.join(HERE, "bench_prefill.py"), "--out", out], env=bench_env,
+                timeout=1800)
+            record(step, status, seconds)
     lines = summary_lines(out, card, state)
     log.write("\n".join(["", "== summary", *lines, ""]))
     print("\n" + "\n".join(lines))
