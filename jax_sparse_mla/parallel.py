@@ -229,6 +229,10 @@ def sharded_concat_and_cache_mla(
     update it in place.
     """
     _, n = _check_mesh(mesh)
+    # Every array first: a Python list would reach jax.sharding.reshard / shard_map as a pytree of
+    # scalars (one transfer per element), which took minutes instead of failing.
+    kv_c = v.as_array("kv_c", kv_c)
+    k_pe = v.as_array("k_pe", k_pe)
     kv_cache_shards = v.as_array("kv_cache_shards", kv_cache_shards)
     slots = v.as_array("slot_mapping_shards", slot_mapping_shards)
     v.check_rank("kv_cache_shards", kv_cache_shards, 4)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -245,6 +246,15 @@ def test_bad_inputs():
         par.make_decode_mesh(jax.device_count(), 2)
     with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
         call("mesh", q, caches, tables, topk, req)
+    rows, slots = jnp.zeros((2, 512), jnp.bfloat16), jnp.full((2, 2), -1, jnp.int32)
+    for name, args in (("kv_c", ([[0.0] * 512] * 2, rows[:, :64], caches, slots)),
+                       ("k_pe", (rows, [[0.0] * 64] * 2, caches, slots)),
+                       ("kv_cache_shards", (rows, rows[:, :64], caches.tolist(), slots)),
+                       ("slot_mapping_shards", (rows, rows[:, :64], caches, [[-1, -1]] * 2))):
+        began = time.perf_counter()
+        with pytest.raises(TypeError, match=f"{name} must be an array, got list"):
+            par.sharded_concat_and_cache_mla(mesh, *args)
+        assert time.perf_counter() - began < 1.0
     pos, r = i32([0, 1]), i32([0, 0])
     with pytest.raises(ValueError, match=r"block_size \(8\) must be a multiple of interleave \(3\)"):
         par.dcp_slot_mapping(r, pos, tables, block_size=8, dcp_size=2, interleave=3)
