@@ -257,6 +257,21 @@ def sharded_concat_and_cache_mla(
 # ----------------------------------------------------------------------------- decode
 
 
+_REDUCE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _reduce_dtype(value) -> jnp.dtype:
+    """sharded_sparse_mla_decode's reduce_dtype as a floating dtype, with an error naming it."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype not in tuple(jnp.dtype(d) for d in _REDUCE_DTYPES):
+        raise TypeError(f"reduce_dtype must be None or one of float32, bfloat16, float16, got "
+                        f"{value!r}.")
+    return dtype
+
+
 def sharded_sparse_mla_decode(
     mesh: Mesh,
     q: jax.Array,
@@ -359,7 +374,7 @@ def sharded_sparse_mla_decode(
         )
     if lse_base not in ("e", "2"):
         raise ValueError(f"lse_base must be 'e' or '2', got {lse_base!r}.")
-    reduce_dtype = None if reduce_dtype is None else jnp.dtype(reduce_dtype)
+    reduce_dtype = None if reduce_dtype is None else _reduce_dtype(reduce_dtype)
     scales = LayerScales(_q_scale_float=float(q_scale), _k_scale_float=float(k_scale))
     num_reqs = int(tables.shape[1])
 

@@ -246,6 +246,9 @@ def test_bad_inputs():
         par.make_decode_mesh(jax.device_count(), 2)
     with pytest.raises(TypeError, match="must be a jax.sharding.Mesh"):
         call("mesh", q, caches, tables, topk, req)
+    for reduce_dtype in ("bogus", jnp.int32, "float64"):
+        with pytest.raises(TypeError, match="reduce_dtype must be None or one of float32"):
+            call(mesh, q, caches, tables, topk, req, reduce_dtype=reduce_dtype)
     rows, slots = jnp.zeros((2, 512), jnp.bfloat16), jnp.full((2, 2), -1, jnp.int32)
     for name, args in (("kv_c", ([[0.0] * 512] * 2, rows[:, :64], caches, slots)),
                        ("k_pe", (rows, [[0.0] * 64] * 2, caches, slots)),

@@ -199,6 +199,7 @@ def correct_attn_out(
       [0, N) gets weight 0 (out all 0); an out-of-range int or concrete rank is a ValueError.
     """
     in_shape = v.as_array("out", out).shape
+    is_lse_base_on_e = v.check_bool("is_lse_base_on_e", is_lse_base_on_e)
     out, lses = _squeeze_out_and_lses(out, lses)
     rank = _check_rank_value("cp_rank", cp_rank, lses.shape[0])
     lses32 = lses.astype(jnp.float32)

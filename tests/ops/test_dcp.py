@@ -261,6 +261,12 @@ def test_correct_attn_out_rejects_bad_input(out, lses, rank, exc, match):
         correct_attn_out(out, lses, rank)
 
 
+@pytest.mark.parametrize("flag", [None, "False", 0, 1.0])
+def test_correct_attn_out_flag_must_be_a_bool(flag):
+    with pytest.raises(TypeError, match="is_lse_base_on_e must be a bool"):
+        correct_attn_out(jnp.zeros((2, 4, 8)), jnp.zeros((2, 2, 4)), 0, is_lse_base_on_e=flag)
+
+
 @pytest.mark.parametrize("base_e", [True, False])
 def test_lse_weighted_combine_matches_float64(base_e):
     rng = np.random.default_rng(2)
