@@ -382,11 +382,6 @@ def main(argv=None) -> dict:
         prefill_step = make_prefill_step(graphdef, layout, config, chunk).lower(
             state, jnp.zeros(chunk, jnp.int32), scalar, scalar, np.int32(1), caches).compile()
         compile_seconds = time.perf_counter() - began
-        # One chunk before the clock starts, as a server warms up: a process's first run of the step
-        # also loads its kernels (it measured 35-80 ms more than the next chunk on an H100). It writes
-        # request 0's first row, which the prefill then writes again.
-        _, caches = prefill_step(state, jnp.zeros(chunk, jnp.int32), scalar, scalar, np.int32(1), caches)
-        jax.block_until_ready(caches)
         tokens, caches, chunk_seconds = prefill(prefill_step, state, caches, prompts, chunk)
         ttft = sum(chunk_seconds)
         prompt_tokens = int(prompt_lens.sum())
