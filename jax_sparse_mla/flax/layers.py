@@ -115,6 +115,18 @@ def _check_config(config) -> None:
         raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}.")
 
 
+def _check_construction(rngs, dtype) -> None:
+    """A layer's rngs and parameter dtype, checked before flax draws any parameter."""
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(f"rngs must be a flax.nnx.Rngs, got {type(rngs).__name__}: {rngs!r}.")
+    try:
+        valid = jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in _ACTIVATION_DTYPES)
+    except TypeError:
+        valid = False
+    if not valid:
+        raise TypeError(f"dtype must be bfloat16, float16 or float32, got {dtype!r}.")
+
+
 def _check_tokens(config: MLAConfig, x, positions) -> tuple[jax.Array, jax.Array, int]:
     """x [T, hidden_size] float and positions [T] int32; returns them and T."""
     x = _v.as_array("x", x)
@@ -228,6 +240,7 @@ class Indexer(nnx.Module):
                  implementation: IndexerImplementation = "auto") -> None:
         # Checked before anything else so a bad value fails here, not at the first traced call.
         _check_config(config)
+        _check_construction(rngs, dtype)
         _v.check_int("max_decode_next_n", max_decode_next_n, minimum=1)
         _v.check_int("max_logits_bytes", max_logits_bytes, minimum=1)
         self.implementations = indexer_op_implementations(implementation)
@@ -390,6 +403,7 @@ class MLASparseAttention(nnx.Module):
                  indexer_implementation: IndexerImplementation = "auto",
                  shared_indexer: bool = False) -> None:
         _check_config(config)
+        _check_construction(rngs, dtype)
         _v.check_kv_cache_dtype(kv_cache_dtype)
         q_scale = _v.check_finite_positive_float("q_scale", q_scale)
         k_scale = _v.check_finite_positive_float("k_scale", k_scale)

@@ -168,3 +168,15 @@ def test_indexer_block_size_mismatch_and_constructor_checks():
         MLASparseAttention(TINY, rngs=nnx.Rngs(0), k_scale=-1.0)
     with pytest.raises(BAD, match="kv_cache_dtype"):
         MLASparseAttention(TINY, rngs=nnx.Rngs(0), kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("cls", [Indexer, MLASparseAttention])
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rngs=None), "rngs must be a flax.nnx.Rngs"),
+    (dict(rngs=0), "rngs must be a flax.nnx.Rngs"),
+    (dict(dtype=jnp.int32), "dtype must be bfloat16, float16 or float32"),
+    (dict(dtype="bogus"), "dtype must be bfloat16, float16 or float32"),
+])
+def test_constructors_check_rngs_and_dtype(cls, kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        cls(TINY, **dict(dict(rngs=nnx.Rngs(0)), **kwargs))
