@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+
+from timing import device_events
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "generate.py")
@@ -78,22 +78,11 @@ def flops_by_kind(prompt_len: int, batch: int, layers: int) -> dict[str, float]:
 
 def kernel_time_by_kind(trace_dir: str) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """(µs per kind, the 12 kernels with the most time) of the GPU kernels in a JAX profiler trace."""
-    path = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)[0]
-    events = json.load(gzip.open(path))["traceEvents"]
-    processes = {e["pid"]: e["args"]["name"] for e in events
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpus = {pid for pid, name in processes.items() if name.startswith("/device:GPU")}
     by_kind, by_name = collections.defaultdict(float), collections.defaultdict(float)
-    for e in events:
-        if (e.get("ph") != "X" or e["pid"] not in gpus
-                or not threads.get((e["pid"], e.get("tid")), "").startswith("Stream")):
-            continue
-        name = e.get("name", "?")
+    for _, duration, name in device_events(trace_dir):
         kind = next((k for k, pattern in KINDS if re.search(pattern, name)), "rest")
-        by_kind[kind] += float(e["dur"])
-        by_name[name[:90]] += float(e["dur"])
+        by_kind[kind] += duration
+        by_name[name[:90]] += duration
     top = sorted(by_name.items(), key=lambda item: -item[1])[:12]
     return dict(by_kind), top
 

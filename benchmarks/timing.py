@@ -122,9 +122,10 @@ def wall_times(fn: Callable, arg_sets: Sequence[tuple], calls: int) -> DeviceTim
     return DeviceTimes(tuple(walls), tuple(walls), tuple(walls), float("nan"))
 
 
-def read_trace(trace_dir: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """(the timed calls' host windows, the device events as (start, duration)), in microseconds on
-    the trace's common clock, from the Perfetto trace that jax.profiler.trace wrote."""
+def _trace_events(trace_dir: str) -> tuple[list[dict], Callable[[dict], bool]]:
+    """(the events of the Perfetto trace that jax.profiler.trace wrote, a test for the GPU's stream
+    events). The stream lines hold the kernels and device copies; other lines of the GPU process (if
+    any) summarise them and would count them twice."""
     paths = glob.glob(f"{trace_dir}/**/perfetto_trace.json.gz", recursive=True)
     if len(paths) != 1:
         raise RuntimeError(f"expected one perfetto_trace.json.gz under {trace_dir}, found {paths}")
@@ -135,18 +136,23 @@ def read_trace(trace_dir: str) -> tuple[list[tuple[float, float]], list[tuple[fl
     thread_names = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                     if e.get("ph") == "M" and e.get("name") == "thread_name"}
     gpus = {pid for pid, name in process_names.items() if name.startswith("/device:GPU")}
-    windows, kernels = [], []
-    for e in events:
-        if e.get("ph") != "X":
-            continue
-        if e.get("name") == _ANNOTATION:
-            windows.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-        # The GPU's stream lines hold the kernels and device copies; other lines of the GPU
-        # process (if any) summarise them and would count them twice.
-        elif e["pid"] in gpus and thread_names.get((e["pid"], e.get("tid")), "").startswith("Stream"):
-            kernels.append((float(e["ts"]), float(e["dur"])))
-    windows.sort()
-    return windows, sorted(kernels)
+    return events, lambda e: (e.get("ph") == "X" and e["pid"] in gpus and
+                              thread_names.get((e["pid"], e.get("tid")), "").startswith("Stream"))
+
+
+def device_events(trace_dir: str) -> list[tuple[float, float, str]]:
+    """The GPU's kernels and copies in a trace as (start, duration in microseconds, name), by start."""
+    events, on_stream = _trace_events(trace_dir)
+    return sorted((float(e["ts"]), float(e["dur"]), e.get("name", "?")) for e in events if on_stream(e))
+
+
+def read_trace(trace_dir: str) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """(the timed calls' host windows, the device events as (start, duration)), in microseconds on
+    the trace's common clock, from the Perfetto trace that jax.profiler.trace wrote."""
+    events, on_stream = _trace_events(trace_dir)
+    windows = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+                     if e.get("ph") == "X" and e.get("name") == _ANNOTATION)
+    return windows, sorted((float(e["ts"]), float(e["dur"])) for e in events if on_stream(e))
 
 
 def torch_graph_seconds(run_all: Callable[[], object], calls: int, repeats: int) -> float:

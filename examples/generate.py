@@ -200,13 +200,24 @@ def chunk_metadata(layout: PagedLayout, config: MLAConfig, request, start, num_r
     return builder.build(common), positions
 
 
+def chunk_forward(graphdef, layout: PagedLayout, config: MLAConfig, chunk: int):
+    """(state, tokens [chunk] int32, request, start, num_real, caches) -> the model's (logits
+    [chunk, vocab], caches, top-k per layer) over one prefill chunk (chunk_metadata); not jitted."""
+
+    def forward(state, tokens, request, start, num_real, caches):
+        metadata, positions = chunk_metadata(layout, config, request, start, num_real, chunk)
+        return nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
+
+    return forward
+
+
 def make_prefill_step(graphdef, layout: PagedLayout, config: MLAConfig, chunk: int):
     """A jitted step (state, tokens [chunk] int32, request, start, num_real, caches) -> (the greedy next
     token after position start + num_real - 1, the caches, donated): one prefill chunk through the model."""
+    forward = chunk_forward(graphdef, layout, config, chunk)
 
     def step(state, tokens, request, start, num_real, caches):
-        metadata, positions = chunk_metadata(layout, config, request, start, num_real, chunk)
-        logits, caches, _ = nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
+        logits, caches, _ = forward(state, tokens, request, start, num_real, caches)
         return jnp.argmax(logits[num_real - 1]).astype(jnp.int32), caches
 
     return jax.jit(step, donate_argnums=5)

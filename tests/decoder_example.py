@@ -44,15 +44,8 @@ def build(config, batch: int, max_len: int, layers: int = 2, *, implementation: 
 
 @functools.cache
 def _chunk_step(config, graphdef, layout, chunk: int):
-    """The jitted chunk step (state, tokens [chunk], request, start, num_real, caches) -> (logits,
-    caches, top-k per layer), compiled once per decoder and chunk size."""
-    from flax import nnx
-
-    def step(state, tokens, request, start, num_real, caches):
-        metadata, positions = example().chunk_metadata(layout, config, request, start, num_real, chunk)
-        return nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
-
-    return jax.jit(step)
+    """The example's chunk forward pass, jitted once per decoder and chunk size."""
+    return jax.jit(example().chunk_forward(graphdef, layout, config, chunk))
 
 
 def chunk_logits(config, graphdef, state, layout, caches, prompt, request, start, num_real, chunk):
