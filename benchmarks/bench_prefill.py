@@ -8,8 +8,9 @@ chunk one jitted step over the cache written so far, caches donated; then a few 
 prefilled caches), so each row's peak device memory is its own. A row holds:
 
   ttft_ms       wall time of all chunks of all requests (each chunk waited for: vLLM samples after
-                each step), after compilation; the first chunk of each process also loads its
-                kernels (35-80 ms more than the second on an H100)
+                each step), after compilation and one warm-up call of the chunk step, as a server
+                makes at start
+  warmup_ms     that warm-up call: its first execution also loads the kernels
   tokens_per_s  prompt tokens over ttft_ms
   peak_bytes    JAX's peak device memory of the process (caches, weights and one chunk's work)
   limit_ms      the prefill's FLOPs over the rates measured in this run: GEMMs and sparse attention at

@@ -19,7 +19,8 @@ and the next one runs):
   example    examples/generate.py --preset deepseek-v3.2 --layers 4 --batch 32 --context 65536 --fill-context with
              --implementation auto, xla and native: wall ms/step as printed (15 steps, no profiler),
              and the device time per step from a profiler trace of 15 more steps (the sum of their
-             kernel durations / 15; span: first kernel start to last kernel end / 15)
+             kernel durations / 15; span: first kernel start to last kernel end / 15), and where a
+             step's idle time goes (timing.decode_gaps: a summary line here, the table in the log)
   prefill    bench_prefill.py: time to first token of 1 x {8192, 32768, 65536, 131072} and 8 x 8192
              prompts in chunks of 8192 (bf16 and fp8_ds_mla caches, auto; pure JAX up to 32768),
              beside the prefill's FLOP limit at the run's measured rates
@@ -121,7 +122,7 @@ def suite_summary(output: str) -> str:
 
 def example_run(log: Log, implementation: str) -> dict:
     """The example at README's shape: wall ms/step as it prints it, device ms/step from its trace."""
-    from timing import read_trace
+    from timing import decode_gaps, read_trace
 
     trace_dir = tempfile.mkdtemp(prefix="gpu_check_example_")
     status, output, seconds = log.run(
@@ -136,6 +137,13 @@ def example_run(log: Log, implementation: str) -> dict:
         result.update(wall_ms=float(match.group(1)),
                       device_ms=sum(d for _, d in kernels) / steps / 1e3,
                       span_ms=(kernels[-1][0] + kernels[-1][1] - kernels[0][0]) / steps / 1e3)
+        try:  # where the idle time of a step goes (docs/benchmarks.md): the table to the log
+            gaps = decode_gaps(trace_dir, steps)
+            log.write("\n".join(gaps.table()) + "\n")
+            result["gaps"] = gaps.summary()
+        except ValueError as error:
+            result["gaps"] = f"gaps: {error}"
+        print(f"   {result['gaps']}", flush=True)
     return result
 
 
@@ -177,6 +185,8 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
             if "device_ms" in e:
                 lines.append(f"    {name:6s} {e['device_ms']:.2f} ms ({e['wall_ms']:.2f} wall), "
                              f"{32 / e['device_ms'] * 1e3:,.0f} tokens/s")
+                if e.get("gaps"):
+                    lines.append(f"           {e['gaps']}")
             else:
                 lines.append(f"    {name:6s} failed (exit {e['status']}; see the log)")
         if "device_ms" in examples.get("auto", {}) and "device_ms" in examples.get("xla", {}):

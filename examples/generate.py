@@ -4,12 +4,16 @@
     python examples/generate.py --preset deepseek-v3.2 --batch 1 --context 65536  # TTFT, then decode
     python examples/generate.py --preset deepseek-v3.2 --batch 32 --context 65536 --fill-context
     python examples/generate.py --kv-cache-dtype fp8_ds_mla       # vLLM's production MLA cache layout
+    python examples/generate.py --steps-per-call 4                # four decode steps per jitted call
 
 Random weights from a seed and a toy vocabulary: the tokens mean nothing, the path is the real one.
 Each request's prompt (the tiny preset: random lengths; the large presets: --context tokens) goes
 through the model in chunks of --prefill-chunk tokens, as vLLM's chunked prefill runs it: each chunk one
 jitted step over the cache written so far (static shapes: the last chunk is padded; caches donated).
-The example prints the time to first token, then decodes with a jitted step from the prefilled caches.
+The example prints the time to first token, then decodes with a jitted step from the prefilled caches,
+driven as a serving loop should drive JAX: one dispatch per call and no host work or wait between calls
+(make_decode_step); --steps-per-call N runs N decode steps per call (a lax.scan with on-device greedy
+sampling), and the ms/step it prints is still per decode step.
 --fill-context writes random latent rows for the large presets' context instead (fast, for decode
 timings). The indexer is DeepSeek-V3.2's as vLLM runs it (fp8 keys in a uint8 index cache, the prefill
 through the gathered-key logits, decode through the paged logits). Before generating, the example
@@ -35,7 +39,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 import jax_sparse_mla as jsm
 from jax_sparse_mla.flax import PRESETS, LayerCache, MLAConfig, MLASparseAttention, empty_layer_cache
@@ -242,6 +245,48 @@ def prefill(prefill_step, state, caches, prompts: list[np.ndarray], chunk: int):
     return jnp.stack(first_tokens), caches, chunk_seconds
 
 
+def make_decode_step(graphdef, treedef, layout: PagedLayout, config: MLAConfig, steps: int = 1):
+    """A jitted call (params, tokens [B] int32, positions [B] int32, caches) -> (the generated tokens
+    [steps, B] int32, the last of them [B], the next positions [B], the caches (donated), the last
+    step's top-k per layer): `steps` greedy decode steps of every request, each step's token and
+    position fed to the next on the device (a lax.scan over the steps for steps > 1).
+
+    params: the model state's leaves (jax.tree.flatten(state): (params, treedef)), flattened once.
+    Passing the nnx.State itself costs a Python flatten of every Variable on each call (tens of us
+    for a few layers), host time that a GPU waiting on the dispatch sees as idle. The call returns
+    the next tokens and positions as outputs, so that the loop driving it dispatches nothing else:
+
+        generated, tokens, positions, caches, _ = decode(params, tokens, positions, caches)
+    """
+    req_ids = np.arange(layout.batch, dtype=np.int32)
+    query_lens = np.ones(layout.batch, np.int64)
+
+    def one_step(model, tokens, positions, caches):
+        metadata = step_metadata(layout, config, jnp.asarray(req_ids), positions, query_lens)
+        logits, caches, topks = model(tokens, positions, caches, metadata)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), positions + 1, caches, topks
+
+    def decode(params, tokens, positions, caches):
+        model = nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
+        if steps == 1:
+            tokens, positions, caches, topks = one_step(model, tokens, positions, caches)
+            return tokens[None], tokens, positions, caches, topks
+
+        def body(carry, _):
+            tokens, positions, caches, _ = carry
+            tokens, positions, caches, topks = one_step(model, tokens, positions, caches)
+            return (tokens, positions, caches, topks), tokens
+
+        # The carry holds the last step's top-k (the attention-share measurement reads it).
+        topk_shapes = jax.eval_shape(lambda *a: one_step(model, *a)[3], tokens, positions, caches)
+        topks = jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), topk_shapes)
+        (tokens, positions, caches, topks), generated = jax.lax.scan(
+            body, (tokens, positions, caches, topks), length=steps)
+        return generated, tokens, positions, caches, topks
+
+    return jax.jit(decode, donate_argnums=3)
+
+
 def dense_reference(attn: MLASparseAttention, x, positions, cache: LayerCache, req_ids, topk, layout,
                     tokens_to_check):
     """Un-absorbed dense MLA attention (per-head K = W_UK kv_c ++ k_pe, V = W_UV kv_c) over each token's
@@ -323,7 +368,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--fill-context", action="store_true",
                         help="large presets: instead of prefilling, write random latent rows and "
                              "indexer keys for the --context positions (fast; for decode timings)")
-    parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--new-tokens", type=int, default=24,
+                        help="decode steps: ceil(new_tokens / steps_per_call) calls, at least 2 (the "
+                             "first compiles; the others are timed)")
+    parser.add_argument("--steps-per-call", type=int, default=1,
+                        help="decode steps per jitted call (a lax.scan over the steps, the greedy "
+                             "token fed back on the device); ms/step is still per decode step")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_ds_mla"], default="auto",
                         help="attention cache: bf16, fp8 e4m3 with a per-tensor scale, or vLLM's "
@@ -337,9 +387,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--check-tokens", type=int, default=8, help="tokens checked against dense attention")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--trace-dir", default=None,
-                        help="after the timed steps, decode new_tokens - 1 more under the JAX profiler "
+                        help="after the timed steps, decode as many more under the JAX profiler "
                              "and write its trace here (the GPU's kernel times per step; "
-                             "benchmarks/gpu_check.py reads it)")
+                             "benchmarks/gpu_check.py and benchmarks/decode_gaps.py read it)")
     parser.add_argument("--prefill-trace-dir", default=None,
                         help="after the timed prefill, run request 0's last chunk again (the same rows "
                              "rewritten) under the JAX profiler and write its trace here "
@@ -348,6 +398,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if args.prefill_chunk < 1:
         parser.error(f"--prefill-chunk must be positive, got {args.prefill_chunk}")
+    if args.steps_per_call < 1:
+        parser.error(f"--steps-per-call must be positive, got {args.steps_per_call}")
 
     config = PRESETS[args.preset]
     tiny = args.preset == "tiny"
@@ -357,9 +409,11 @@ def main(argv=None) -> dict:
         prompt_lens = rng.integers(40, 180, args.batch)  # some contexts exceed top-k=128, some don't
     else:
         prompt_lens = np.full(args.batch, args.context)
-    # --trace-dir decodes another new_tokens - 1 steps under the profiler: room for them too.
-    traced_steps = args.new_tokens - 1 if args.trace_dir else 0
-    max_len = int(prompt_lens.max()) + args.new_tokens + traced_steps + 1
+    # Decode calls of --steps-per-call steps: the first compiles, the others are timed; --trace-dir
+    # decodes as many as were timed again under the profiler: room for them all.
+    decode_calls = max(2, -(-args.new_tokens // args.steps_per_call))
+    traced_steps = (decode_calls - 1) * args.steps_per_call if args.trace_dir else 0
+    max_len = int(prompt_lens.max()) + decode_calls * args.steps_per_call + traced_steps + 1
     layout = PagedLayout(args.batch, -(-max_len // BLOCK_SIZE))
     indexer_types = hf_config.indexer_types(dict(
         num_hidden_layers=num_layers, index_topk_freq=args.index_topk_freq,
@@ -393,11 +447,18 @@ def main(argv=None) -> dict:
         prefill_step = make_prefill_step(graphdef, layout, config, chunk).lower(
             state, jnp.zeros(chunk, jnp.int32), scalar, scalar, np.int32(1), caches).compile()
         compile_seconds = time.perf_counter() - began
+        # One warm-up call, as a server makes at start: the first execution also loads the kernels
+        # (tens of ms on an H100), which no request of a running server waits for. It writes request
+        # 0's position 0, which the prefill rewrites.
+        began = time.perf_counter()
+        _, caches = prefill_step(state, jnp.zeros(chunk, jnp.int32), scalar, scalar, np.int32(1), caches)
+        jax.block_until_ready(caches)
+        warmup_seconds = time.perf_counter() - began
         tokens, caches, chunk_seconds = prefill(prefill_step, state, caches, prompts, chunk)
         ttft = sum(chunk_seconds)
         prompt_tokens = int(prompt_lens.sum())
         prefill_stats = dict(prefill_chunk=chunk, prompt_tokens=prompt_tokens, ttft_ms=ttft * 1e3,
-                             prefill_tokens_per_s=prompt_tokens / ttft,
+                             prefill_tokens_per_s=prompt_tokens / ttft, warmup_ms=warmup_seconds * 1e3,
                              chunk_ms=[round(t * 1e3, 2) for t in chunk_seconds])
         if args.prefill_trace_dir:
             last_start = (len(prompts[0]) - 1) // chunk * chunk
@@ -413,7 +474,8 @@ def main(argv=None) -> dict:
         print(f"prefill: {args.batch} x {'/'.join(map(str, sorted(set(prompt_lens.tolist()))))} prompt "
               f"tokens in {len(chunk_seconds)} chunks of {chunk}: {ttft:.3f} s "
               f"({prompt_tokens / ttft:,.0f} tokens/s; chunks {chunk_seconds[0] * 1e3:.1f} -> "
-              f"{chunk_seconds[-1] * 1e3:.1f} ms; compiled in {compile_seconds:.1f} s)"
+              f"{chunk_seconds[-1] * 1e3:.1f} ms; compiled in {compile_seconds:.1f} s, warm-up call "
+              f"{warmup_seconds * 1e3:.0f} ms)"
               + (f", peak device memory {prefill_stats['peak_bytes'] / 2**30:.2f} GiB"
                  if "peak_bytes" in prefill_stats else ""))
     positions = jnp.asarray(prompt_lens, jnp.int32)  # the next token's position
@@ -435,32 +497,31 @@ def main(argv=None) -> dict:
           f"{check_tokens} tokens: max relative error {error:.2e} (tolerance {tolerance:.0e}), top-k counts "
           f"{'ok' if counts_ok else 'WRONG'} -> {'PASS' if ok else 'FAIL'}")
 
-    def decode(state, tokens, positions, caches):
-        metadata = step_metadata(layout, config, decode_req_ids, positions, decode_lens)
-        logits, caches, topks = nnx.merge(graphdef, state)(tokens, positions, caches, metadata)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), caches, topks
-
-    decode_step = jax.jit(decode, donate_argnums=3)
-    tokens_out, caches, topks = decode_step(state, tokens, positions, caches)  # compile + first token
-    tokens_out.block_until_ready()
-    generated = [np.asarray(tokens_out)]
-    tokens, positions = tokens_out, positions + 1
+    # The decode loop as a serving loop drives JAX: each call is one dispatch of `steps_per_call`
+    # steps (next tokens and positions come back as outputs, the caches are donated), nothing on the
+    # host waits for the device until the end, and the parameters go in as a flat list of arrays.
+    steps_per_call = args.steps_per_call
+    params, treedef = jax.tree.flatten(state)
+    decode_step = make_decode_step(graphdef, treedef, layout, config, steps_per_call)
+    generated, tokens, positions, caches, topks = decode_step(params, tokens, positions, caches)  # compiles
+    generated.block_until_ready()
+    blocks = [generated]
     start = time.perf_counter()
-    for _ in tqdm(range(args.new_tokens - 1), desc="decode", unit="step"):
-        tokens, caches, topks = decode_step(state, tokens, positions, caches)
-        positions = positions + 1
-        generated.append(tokens)
+    for _ in range(decode_calls - 1):
+        generated, tokens, positions, caches, topks = decode_step(params, tokens, positions, caches)
+        blocks.append(generated)
     tokens.block_until_ready()
-    step_seconds = (time.perf_counter() - start) / max(args.new_tokens - 1, 1)
+    timed_steps = (decode_calls - 1) * steps_per_call
+    step_seconds = (time.perf_counter() - start) / timed_steps
     if traced_steps:
         # As many steps again under the profiler (it slows dispatch, so the wall time above is
         # taken without it): the trace holds each kernel's device time.
         with jax.profiler.trace(args.trace_dir, create_perfetto_trace=True):
-            for _ in range(traced_steps):
-                tokens, caches, topks = decode_step(state, tokens, positions, caches)
-                positions = positions + 1
+            for _ in range(decode_calls - 1):
+                _, tokens, positions, caches, topks = decode_step(params, tokens, positions, caches)
             tokens.block_until_ready()
-        print(f"trace: {traced_steps} decode steps traced into {args.trace_dir}")
+        print(f"trace: {traced_steps} decode steps ({decode_calls - 1} calls of {steps_per_call}) "
+              f"traced into {args.trace_dir}")
 
     # The attention share: the sparse-MLA kernel alone, for every layer, on this step's shapes.
     metadata = step_metadata(layout, config, decode_req_ids, positions - 1, decode_lens)
@@ -479,17 +540,19 @@ def main(argv=None) -> dict:
     jax.block_until_ready(result)
     attention_seconds = (time.perf_counter() - start) / repeats
 
-    sample = np.stack([np.asarray(t) for t in generated], axis=1)
+    sample = np.concatenate([np.asarray(b) for b in blocks]).T  # [B, decode_calls * steps_per_call]
     print(f"request 0 generated: {sample[0][:16].tolist()}{' ...' if sample.shape[1] > 16 else ''}")
     tokens_per_second = args.batch / step_seconds
     print(f"decode: {step_seconds * 1e3:.2f} ms/step, {tokens_per_second:.1f} tokens/s "
-          f"(batch {args.batch}); sparse attention {attention_seconds * 1e3:.2f} ms/step = "
+          f"(batch {args.batch}; {timed_steps} steps in {decode_calls - 1} calls of {steps_per_call}); "
+          f"sparse attention {attention_seconds * 1e3:.2f} ms/step = "
           f"{100 * attention_seconds / step_seconds:.0f}% of the step")
     if not ok:
         raise SystemExit("correctness check FAILED")
     result = dict(preset=args.preset, batch=args.batch, layers=num_layers, step_ms=step_seconds * 1e3,
                   tokens_per_second=tokens_per_second, attention_ms=attention_seconds * 1e3,
-                  check_error=error, **prefill_stats)
+                  check_error=error, steps_per_call=steps_per_call, timed_steps=timed_steps,
+                  traced_steps=traced_steps, **prefill_stats)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -69,6 +69,95 @@ def test_device_times_from_a_trace(tmp_path):
         timing.per_call_times(windows, kernels[:2], [1.0, 1.0])
 
 
+def _decode_trace(tmp_path):
+    """Three decode steps 100 us apart on one GPU stream (plus a copy on a second stream in step 1),
+    a one-off H2D copy before them, and host events during the step boundaries."""
+    meta = lambda kind, pid, name, tid=0: dict(ph="M", name=kind, pid=pid, tid=tid,  # noqa: E731
+                                                args=dict(name=name))
+    x = lambda pid, tid, name, ts, dur: dict(ph="X", pid=pid, tid=tid, name=name, ts=ts,  # noqa: E731
+                                              dur=dur)
+    events = [meta("process_name", 1, "/device:GPU:0"), meta("process_name", 7, "/host:CPU"),
+              meta("thread_name", 1, "Stream #14(Compute)", 14),
+              meta("thread_name", 1, "Stream #15(MemcpyD2D)", 15), meta("thread_name", 1, "XLA Ops", 2),
+              meta("thread_name", 7, "python", 3), meta("thread_name", 7, "tf_XLAGpuClient", 4),
+              x(1, 14, "MemcpyH2D", 990.0, 4.0)]
+    for step in range(3):
+        t = 1000.0 + 100 * step
+        events += [x(1, 14, "embed", t, 5.0), x(1, 14, "fusion", t + 8, 20.0),
+                   x(1, 14, "fusion", t + 28, 10.0), x(1, 14, "argmax", t + 40, 2.0),
+                   x(1, 2, "decode_step", t, 42.0)]  # the op line repeats the kernels: not counted
+    events += [x(1, 15, "MemcpyD2D", 1130.0, 15.0),  # overlaps step 1's last kernels
+               x(7, 3, "PjitFunction(decode)", 1045.0, 54.0), x(7, 3, "ParseArguments", 1050.0, 10.0),
+               x(7, 4, "cuLaunchKernel", 1098.0, 3.0), x(7, 3, "PjitFunction(decode)", 1150.0, 45.0),
+               x(7, 3, "after the trace", 1300.0, 5.0)]
+    _write_trace(tmp_path, events)
+
+
+def test_decode_gaps_from_a_trace(tmp_path):
+    """Per step: busy time, span, the gaps with the events around them (the boundary gap belongs to
+    the step it delays; a copy on another stream closes gaps it covers) and the host events during
+    the large gaps, innermost first."""
+    timing = _benchmark_module("timing")
+    _decode_trace(tmp_path)
+    gaps = timing.decode_gaps(str(tmp_path), 3)
+    assert gaps.marker == "embed"  # MemcpyH2D runs once in the trace, fusion twice a step
+    s0, s1, s2 = gaps.steps
+    assert [s.kernels for s in gaps.steps] == [5, 5, 4]
+    assert [s.busy_us for s in gaps.steps] == [41.0, 52.0, 37.0]
+    assert (s0.start, s0.end, s1.span_us, s2.span_us) == (990.0, 1042.0, 45.0, 42.0)
+    assert [(g.start, g.us, g.before, g.after) for g in s0.gaps] == [
+        (994.0, 6.0, "MemcpyH2D", "embed"), (1005.0, 3.0, "embed", "fusion"),
+        (1038.0, 2.0, "fusion", "argmax")]
+    assert [(g.us, g.before, g.after) for g in s1.gaps] == [(58.0, "argmax", "embed"),
+                                                            (3.0, "embed", "fusion")]
+    assert [(g.us, g.before, g.after) for g in s2.gaps] == [
+        (55.0, "MemcpyD2D", "embed"), (3.0, "embed", "fusion"), (2.0, "fusion", "argmax")]
+    assert s1.largest.host == (("python", "PjitFunction(decode)", 54.0),
+                               ("python", "ParseArguments", 10.0),
+                               ("tf_XLAGpuClient", "cuLaunchKernel", 2.0))
+    assert s2.largest.host == (("python", "PjitFunction(decode)", 45.0),)
+    assert s0.largest.us == 6.0 and s0.largest.host == ()  # each step's largest is looked up
+    assert s1.gaps[1].host == ()  # a 3 us gap is not (large_us=10)
+    assert gaps.busy_us == 130.0 and gaps.span_us == 252.0 and gaps.periods_us == (100.0, 100.0)
+    p = gaps.per_step()
+    assert p["kernels_per_step"] == 5 and p["period_ms"] == 0.1 and p["largest_gap_us"] == 55.0
+    assert abs(p["idle_ms"] - (11.0 + 61.0 + 60.0) / 3e3) < 1e-12 and p["gaps_per_step"] == 8 / 3
+    before, after, us, per_step, host = gaps.by_pair()[0]
+    assert (before, after, us, per_step) == ("argmax", "embed", 58.0 / 3, 1 / 3)
+    assert host[0] == ("python", "PjitFunction(decode)", 18.0)
+    assert "most idle between argmax -> embed (19.3 us/step)" in gaps.summary()
+    table = "\n".join(gaps.table())
+    assert "[python] PjitFunction(decode)" in table and "58.0  argmax -> embed" in table
+
+
+def test_decode_gaps_script_reads_a_trace(tmp_path, capsys):
+    _decode_trace(tmp_path)
+    _benchmark_module("decode_gaps").main(["--trace-dir", str(tmp_path), "--steps", "3",
+                                           "--json", str(tmp_path / "gaps.json")])
+    out = capsys.readouterr().out
+    assert out.startswith("gaps: 3 steps, 5 device events/step: kernels 0.043 ms/step")
+    assert "[python] PjitFunction(decode)" in out
+    import json
+
+    with open(tmp_path / "gaps.json") as f:
+        assert json.load(f)["period_ms"] == 0.1
+
+
+def test_decode_gaps_need_a_step_marker(tmp_path):
+    timing = _benchmark_module("timing")
+    _decode_trace(tmp_path)
+    with pytest.raises(ValueError, match="no device event runs exactly once in each of 4 steps"):
+        timing.decode_gaps(str(tmp_path), 4)
+    with pytest.raises(ValueError, match="marker 'fusion' occurs 6 times"):
+        timing.decode_gaps(str(tmp_path), 3, marker="fusion")
+    # Steps begin at the marker; events before the first one belong to the first step.
+    gaps = timing.decode_gaps(str(tmp_path), 3, marker="argmax")
+    assert [s.kernels for s in gaps.steps] == [9, 4, 1]
+    assert [(g.us, g.before, g.after) for g in gaps.steps[2].gaps] == [(2.0, "fusion", "argmax")]
+    with pytest.raises(ValueError, match="no device events"):
+        timing.kernel_gaps([], 3)
+
+
 @pytest.mark.parametrize("kind,card", [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"),
                                        ("NVIDIA B200", "b200"), ("cpu", "cpu"),
                                        ("NVIDIA RTX PRO 6000 Blackwell", "nvidia_rtx_pro_6000_blackwell")])

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("flax")
-pytest.importorskip("tqdm")  # examples/generate.py imports it
 from flax import nnx  # noqa: E402
 
 from jax_sparse_mla.flax import TINY, Indexer, MLASparseAttention  # noqa: E402

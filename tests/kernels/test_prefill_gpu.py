@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 pytest.importorskip("flax")
-pytest.importorskip("tqdm")  # examples/generate.py imports it
 
 from jax_sparse_mla.flax import DEEPSEEK_V32  # noqa: E402
 from decoder_example import assert_logits_close, build, prefill_all  # noqa: E402
