@@ -161,6 +161,34 @@ def host_values(array) -> np.ndarray | None:
         return None
 
 
+def check_rows_cover(name: str, array, count: int, what: str) -> None:
+    """array's leading axis must hold at least `count` rows, one per `what` (a padded batch may
+    hold more rows than it uses, never fewer)."""
+    if array.shape[0] < count:
+        raise ValueError(f"{name} has {array.shape[0]} rows for {count} {what}, got shape "
+                         f"{tuple(array.shape)}: a padded batch may have more rows, never fewer.")
+
+
+def check_values_at_most(name: str, array, bound: int, bound_name: str) -> None:
+    """Every value of `array` must be <= `bound` (a static bound such as max_seq_len) when the values
+    are concrete (an eager call); traced values are not checked (host_values' rule)."""
+    values = host_values(array)
+    if values is not None and values.size and values.max() > bound:
+        raise ValueError(f"{name} holds {int(values.max())}, past {bound_name}={bound}: "
+                         f"{_short(values.tolist())}.")
+
+
+def in_eager_shard_map(array) -> bool:
+    """Whether `array` is a value of an eager (not jitted) `jax.shard_map` body.
+
+    JAX's eager shard_map returns zero-size outputs whose per-device shards disagree with their
+    sharding: the result has the right shape but fails when read (seen with JAX 0.10.2; a jitted
+    shard_map is fine). JAX has no public test for an eager shard_map, so this reads the tracer's class name: a
+    JAX that renames it turns the check off (the JAX behaviour comes back) and
+    tests/test_bad_inputs_backend.py fails."""
+    return isinstance(array, jax.core.Tracer) and type(array).__name__ == "ShardMapTracer"
+
+
 def check_str_option(name: str, value, options: Iterable[str]) -> str:
     """`value` must be a str among `options` (TypeError for a non-string, ValueError for another str)."""
     options = tuple(options)

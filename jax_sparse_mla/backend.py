@@ -76,6 +76,15 @@ def _check_dtype_arg(name: str, dtype):
                         f"{v._short(dtype)}.") from None
 
 
+def _check_topk_buffer(name: str, buffer):
+    """A topk_indices_buffer: None, or an int32 [T_max, K] array with K >= 1."""
+    if buffer is None:
+        return None
+    buffer = v.int32_array(name, buffer, 2)
+    v.check_nonempty_axes(name, buffer, {1: "index per token (K)"})
+    return buffer
+
+
 def _native_kernel_available(capability_major: int, kv_layout: str) -> bool:
     return any(
         k.native and capability_major in k.capability_majors and kv_layout in k.kv_layouts
@@ -336,7 +345,9 @@ class FlashInferMLASparseImpl:
 
     Args mirror vLLM's impl; alibi_slopes, sliding_window and logits_soft_cap must be None and attn_type
     "decoder". topk_indices_buffer: optional [T_max, K] int32 request-local top-k positions that
-    forward_mqa reads when it is not given topk_indices. MLA dims come as keywords.
+    forward_mqa reads when it is not given topk_indices (an indexer, when given, supplies its
+    topk_indices_buffer instead); checked here, a list or a float array is a TypeError naming it.
+    MLA dims come as keywords.
     dcp_world_size / dcp_rank: decode context parallelism; dcp_rank may be `jax.lax.axis_index(...)`
     inside shard_map. implementation: "auto", "xla" or "native" (see sparse_mla_decode).
     """
@@ -380,8 +391,15 @@ class FlashInferMLASparseImpl:
         self.qk_nope_head_dim = qk_nope_head_dim
         self.qk_rope_head_dim = qk_rope_head_dim
         self.v_head_dim = v_head_dim
-        self.topk_indices_buffer = (
-            indexer.topk_indices_buffer if indexer is not None else topk_indices_buffer)
+        if indexer is not None:
+            if not hasattr(indexer, "topk_indices_buffer"):
+                raise TypeError(f"indexer must have a topk_indices_buffer (vLLM's Indexer), got "
+                                f"{type(indexer).__name__}: {v._short(indexer)}.")
+            self.topk_indices_buffer = _check_topk_buffer("indexer.topk_indices_buffer",
+                                                          indexer.topk_indices_buffer)
+        else:
+            self.topk_indices_buffer = _check_topk_buffer("topk_indices_buffer",
+                                                          topk_indices_buffer)
         self.dcp_world_size = v.check_positive_int("dcp_world_size", dcp_world_size)
         self.dcp_rank = dcp_rank
         self.implementation = implementation
@@ -460,7 +478,7 @@ class FlashInferMLASparseImpl:
         if topk_indices is None:
             if self.topk_indices_buffer is None:
                 raise ValueError("forward_mqa needs topk_indices or a topk_indices_buffer.")
-            buffer = v.int32_array("topk_indices_buffer", self.topk_indices_buffer, 2)
+            buffer = _check_topk_buffer("topk_indices_buffer", self.topk_indices_buffer)
             if buffer.shape[0] < num_tokens:
                 raise ValueError(f"topk_indices_buffer has {buffer.shape[0]} rows for q's "
                                  f"{num_tokens} tokens.")

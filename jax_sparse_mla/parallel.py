@@ -237,6 +237,7 @@ def sharded_concat_and_cache_mla(
     slots = v.as_array("slot_mapping_shards", slot_mapping_shards)
     v.check_rank("kv_cache_shards", kv_cache_shards, 4)
     v.check_rank("slot_mapping_shards", slots, 2)
+    v.check_nonempty_axes("kv_cache_shards", kv_cache_shards, {1: "block", 2: "row per block"})
     for name, x in (("kv_cache_shards", kv_cache_shards), ("slot_mapping_shards", slots)):
         if x.shape[0] != n:
             raise ValueError(f"{name} must have the dcp size {n} as its leading axis, got "
@@ -323,7 +324,8 @@ def sharded_sparse_mla_decode(
     Every argument is checked before use (TypeError / ValueError naming it): q_scale / k_scale as
     sparse_mla_decode checks them (v.check_per_tensor_scales: k_scale != 1 with a 16-bit cache is a
     ValueError, never ignored); zero-sized axes (H, num_blocks, block_size, R, W, K) are
-    ValueErrors; T = 0 is allowed (empty result).
+    ValueErrors; T = 0 is allowed: empty outputs of these shapes, dtypes and shardings, eager or
+    jitted (the arguments are checked as for T > 0).
     """
     tp, n = _check_mesh(mesh)
     q = v.as_array("q", q)
@@ -408,7 +410,14 @@ def sharded_sparse_mla_decode(
     args = [_maybe_reshard(mesh, x, s) for x, s in
             zip((q, kv_cache_shards, tables, topk, req), in_specs)]
     f = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(head_spec, head_spec))
-    out, lse = f(*args)
+    if num_tokens == 0:
+        # An eager shard_map assembles zero-size outputs with shards that disagree with their
+        # sharding (seen with JAX 0.10.2: the result fails when read). Jitted, the body still checks
+        # every argument at trace time and its empty outputs read fine; they are then placed as
+        # documented.
+        out, lse = (jax.device_put(x, head_sharding(mesh)) for x in jax.jit(f)(*args))
+    else:
+        out, lse = f(*args)
     return (out, lse) if return_lse else out
 
 

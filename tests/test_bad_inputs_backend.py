@@ -79,6 +79,40 @@ def test_build_defects(field, value):
         BUILDER.build(common(**{field: value}))
 
 
+@SETTINGS
+@given(num_reqs=st.integers(0, 5), rows=st.integers(0, 5), jitted=st.booleans())
+def test_build_table_rows_cover_num_reqs(num_reqs, rows, jitted):
+    """R rows of seq_lens / block_table_tensor must cover num_reqs (padding may add rows): a static
+    check, jitted too."""
+    kw = dict(query_start_loc=i32(np.arange(num_reqs + 1)), seq_lens=i32(np.ones(rows)),
+              block_table_tensor=jnp.zeros((rows, 4), jnp.int32), num_reqs=num_reqs,
+              num_actual_tokens=num_reqs, slot_mapping=i32(np.arange(num_reqs)), max_seq_len=1)
+    build = (lambda: jax.jit(lambda: BUILDER.build(common(**kw)).req_id_per_token)()) if jitted \
+        else (lambda: BUILDER.build(common(**kw)).req_id_per_token)
+    if rows < num_reqs:
+        with pytest.raises(ValueError, match=r"block_table_tensor has \d+ rows for \d+ requests"):
+            build()
+    else:
+        assert build().shape == (num_reqs,)
+
+
+@SETTINGS
+@given(seq=st.lists(st.integers(0, 20), min_size=2, max_size=2), max_seq_len=st.integers(0, 20),
+       host_copy=st.booleans())
+def test_build_seq_lens_within_max_seq_len(seq, max_seq_len, host_copy):
+    """Concrete seq_lens (or their host copy) past max_seq_len are a ValueError: the Flax layers'
+    prefill gathers at most max_seq_len keys of a request. Traced, they are not checked."""
+    kw = dict(seq_lens=i32(seq), max_seq_len=max_seq_len,
+              seq_lens_cpu=tuple(seq) if host_copy else None)
+    if max(seq) > max_seq_len:
+        with pytest.raises(ValueError, match="max_seq_len"):
+            BUILDER.build(common(**kw))
+        if not host_copy:
+            jax.jit(lambda s: BUILDER.build(common(**{**kw, "seq_lens": s})).seq_lens)(i32(seq))
+    else:
+        assert BUILDER.build(common(**kw)).max_seq_len == max_seq_len
+
+
 def test_build_refuses_non_metadata_and_jit_keeps_shape_checks():
     with pytest.raises(TypeError, match="common"):
         BUILDER.build({"num_reqs": 2})
@@ -120,6 +154,50 @@ def test_kv_cache_shape_refuses_unknown_dtype(backend):
         backend.get_kv_cache_shape(10, 64, 1, 576, "int4")
     with pytest.raises(TypeError, match="cache_dtype_str"):
         backend.get_kv_cache_shape(10, 64, 1, 576, None)
+
+
+@SETTINGS
+@given(backend=st.sampled_from(BACKENDS),
+       value=st.one_of(st.text(max_size=12).filter(lambda t: t not in jsm._validation.KV_CACHE_DTYPES),
+                       st.none(), st.integers(), st.just(jnp.bfloat16), st.just(["auto"])))
+def test_kv_cache_shape_refuses_unknown_cache_dtypes(backend, value):
+    with pytest.raises(BAD, match="cache_dtype_str"):
+        backend.get_kv_cache_shape(10, 64, 1, 576, value)
+
+
+@SETTINGS
+@given(backend=st.sampled_from(BACKENDS),
+       value=st.one_of(st.none(), st.tuples(st.integers(0, 12), st.integers(0, 3)),
+                       st.lists(st.integers(0, 12), max_size=2), st.integers(0, 12),
+                       st.floats(0, 12), st.text(max_size=4), st.just({"major": 10, "minor": 0})))
+def test_compute_capability_refuses_non_device_capability(backend, value):
+    with pytest.raises(TypeError, match="capability must be a DeviceCapability"):
+        backend.supports_compute_capability(value)
+    with pytest.raises(TypeError, match="device_capability must be a DeviceCapability"):
+        combo(backend, cc=value)
+
+
+# vLLM's validate_configuration: supported_dtypes (TRTLLM [float16, bfloat16]; SM120 / SM90
+# bfloat16) and get_supported_head_sizes ([576]), with its messages.
+_VLLM_DTYPES = {jsm.FlashInferMLASparseTRTLLMBackend: (jnp.float16, jnp.bfloat16),
+                jsm.FlashInferMLASparseSM120Backend: (jnp.bfloat16,),
+                jsm.FlashInferMLASparseSM90Backend: (jnp.bfloat16,)}
+_CC = {jsm.FlashInferMLASparseTRTLLMBackend: CC(10, 0), jsm.FlashInferMLASparseSM120Backend: CC(12, 0),
+       jsm.FlashInferMLASparseSM90Backend: CC(9, 0)}
+
+
+@SETTINGS
+@given(backend=st.sampled_from(BACKENDS), head_size=st.sampled_from([576, 512, 64, 128, 192, 656, 1]),
+       dtype=st.sampled_from([jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64, jnp.float8_e4m3fn,
+                              jnp.int8]))
+def test_supports_combination_dtypes_and_head_sizes_as_vllm(backend, head_size, dtype):
+    reason = combo(backend, head_size=head_size, dtype=dtype, cc=_CC[backend])
+    if head_size != 576:
+        assert reason == "head_size not supported"
+    elif jnp.dtype(dtype) not in tuple(jnp.dtype(d) for d in _VLLM_DTYPES[backend]):
+        assert reason == "dtype not supported"
+    else:
+        assert reason is None or "requires" in reason  # only the native-kernel availability is left
 
 
 def combo(backend, head_size=576, dtype=jnp.bfloat16, kv="auto", block=64, cc=CC(10, 0)):
@@ -169,6 +247,30 @@ def test_capability_must_be_device_capability(backend):
 def impl(kv="auto", heads=4, **kw):
     return jsm.FlashInferMLASparseImpl(heads, 576, 0.1, 1, None, None, kv, None, "decoder", None,
                                        **kw)
+
+
+@SETTINGS
+@given(value=st.one_of(NOT_ARRAYS.filter(lambda x: x is not None), st.sampled_from([
+    jnp.zeros((4, 128), jnp.float32), jnp.zeros((4, 128), jnp.int16),
+    jnp.zeros((128,), jnp.int32), jnp.zeros((2, 4, 128), jnp.int32), jnp.zeros((4, 0), jnp.int32),
+    [[0] * 128] * 4, np.zeros((4, 128), np.float64)])),
+       via_indexer=st.booleans())
+def test_impl_checks_topk_indices_buffer(value, via_indexer):
+    """Checked where it is given (the constructor): an int32 [T_max, K >= 1] array or None."""
+    class Indexer:
+        topk_indices_buffer = value
+    kw = dict(indexer=Indexer()) if via_indexer else dict(topk_indices_buffer=value)
+    name = "indexer.topk_indices_buffer" if via_indexer else "topk_indices_buffer"
+    with pytest.raises(BAD, match=name):
+        impl(**kw)
+
+
+def test_impl_topk_indices_buffer_good_and_indexer_without_one():
+    buffer = jnp.zeros((4, 128), jnp.int32)
+    assert impl(topk_indices_buffer=buffer).topk_indices_buffer is buffer
+    assert impl().topk_indices_buffer is None
+    with pytest.raises(TypeError, match="indexer must have a topk_indices_buffer"):
+        impl(indexer=object())
 
 
 def mqa_inputs(cache_dtype=jnp.bfloat16, q_dtype=jnp.bfloat16, heads=4):
@@ -284,6 +386,24 @@ def test_local_seq_lens_negative_eager_error_jit_clamps(seq, n, i):
     assert int(np.asarray(got).sum()) == int(np.maximum(seq, 0).sum())
 
 
+def _local_len_rule(seq_len, world, rank, interleave):
+    """docs/semantics.md: a rank outside [0, world) owns nothing, a negative length counts as 0."""
+    if not 0 <= rank < world:
+        return 0
+    return sum(1 for p in range(max(seq_len, 0)) if (p // interleave) % world == rank)
+
+
+@SETTINGS
+@given(seq=st.lists(st.integers(-40, 40), min_size=1, max_size=5), n=st.integers(1, 4),
+       i=st.integers(1, 3), rank=st.integers(-6, 8))
+def test_local_seq_lens_traced_rank_and_negative_lengths_follow_the_rule(seq, n, i, rank):
+    got = jax.jit(lambda s, r: dcp.get_dcp_local_seq_lens(s, n, r, i))(i32(seq), jnp.int32(rank))
+    np.testing.assert_array_equal(np.asarray(got), [_local_len_rule(x, n, rank, i) for x in seq])
+    if not 0 <= rank < n:
+        with pytest.raises(ValueError, match="dcp_rank"):
+            dcp.get_dcp_local_seq_lens(i32(np.maximum(seq, 0)), n, rank, i)
+
+
 @pytest.mark.parametrize("rank", [-1, 2, 7])
 def test_traced_rank_out_of_range_owns_nothing(rank):
     seq_lens = i32([5, 9])
@@ -336,9 +456,25 @@ def test_cp_lse_ag_out_rs_axis_name_and_zero_heads():
     with pytest.raises(ValueError, match="cp_attn_out"):
         _shard(lambda a, b: dcp.cp_lse_ag_out_rs(a, b, "dcp"), mesh,
                jnp.zeros((2, 2, 0, 8)), jnp.zeros((2, 2, 0)))
-    got = _shard(lambda a, b: dcp.cp_lse_ag_out_rs(a, b, "dcp"), mesh,
-                 jnp.zeros((2, 0, 4, 8)), jnp.zeros((2, 0, 4)))
-    assert got.shape == (2, 0, 2, 8)
+
+
+
+@pytest.mark.parametrize("tp,n", [(1, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("shape", [(0, 8, 16), (3, 8, 0), (0, 8, 0)])
+def test_cp_lse_ag_out_rs_zero_size(tp, n, shape):
+    """B = 0 or D = 0: inside an eager shard_map a ValueError naming cp_attn_out (JAX assembles the
+    zero-size outputs of an eager shard_map with shards that disagree with their sharding, so any
+    result would fail when read); jitted, the documented empty result, readable."""
+    mesh = par.make_decode_mesh(tp, n)
+    spec = P(None, ("tp", "dcp"))
+    f = jax.shard_map(lambda a, b: dcp.cp_lse_ag_out_rs(a, b, "dcp", return_lse=True), mesh=mesh,
+                      in_specs=(spec, spec), out_specs=(spec, spec))
+    out, lse = jnp.zeros(shape, jnp.float32), jnp.zeros(shape[:2], jnp.float32)
+    with pytest.raises(ValueError, match=r"cp_attn_out .* eager jax.shard_map"):
+        f(out, lse)
+    got, got_lse = jax.jit(f)(out, lse)
+    want = (shape[0], shape[1] // n, shape[2])  # each rank keeps H / n heads of its H
+    assert np.asarray(got).shape == want and np.asarray(got_lse).shape == want[:2]
 
 
 # ----------------------------------------------------------------------------- parallel
@@ -387,6 +523,50 @@ def test_sharded_decode_zero_axes(arg, index, shape):
     args[index] = jnp.zeros(shape, args[index].dtype)
     with pytest.raises(ValueError, match=arg):
         par.sharded_sparse_mla_decode(mesh, *args, scale=0.1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(mesh_shape=st.sampled_from([(1, 1), (1, 2), (2, 2), (1, 4)]), return_lse=st.booleans(),
+       q_dtype=st.sampled_from([jnp.bfloat16, jnp.float16]), jitted=st.booleans())
+def test_sharded_decode_no_tokens_gives_readable_empty_results(mesh_shape, return_lse, q_dtype,
+                                                               jitted):
+    """T = 0 (eager or jitted): the documented empty outputs, readable, with head_sharding. Eagerly
+    they came from an eager shard_map, whose zero-size outputs failed when read."""
+    tp, n = mesh_shape
+    mesh = par.make_decode_mesh(tp, n)
+    q, caches, tables, topk, req = sharded_inputs(n=n, heads=8, t=0)
+    q, caches = q.astype(q_dtype), caches.astype(q_dtype)
+    call = functools.partial(par.sharded_sparse_mla_decode, mesh, scale=0.1, return_lse=return_lse)
+    got = (jax.jit(call) if jitted else call)(q, caches, tables, topk, req)
+    out, lse = got if return_lse else (got, None)
+    assert np.asarray(out).shape == (0, 8, 512) and out.dtype == q_dtype
+    if lse is not None:
+        assert np.asarray(lse).shape == (0, 8) and lse.dtype == jnp.float32
+    if not jitted:
+        assert out.sharding.is_equivalent_to(par.head_sharding(mesh), 3)
+
+
+def test_sharded_concat_no_tokens_and_empty_caches():
+    mesh = par.make_decode_mesh(1, 2)
+    rows, slots = jnp.zeros((0, 512), jnp.bfloat16), jnp.zeros((2, 0), jnp.int32)
+    caches = jnp.ones((2, 3, 4, 576), jnp.bfloat16)
+    np.testing.assert_array_equal(  # T = 0: the caches unchanged, readable
+        np.asarray(par.sharded_concat_and_cache_mla(mesh, rows, rows[:, :64], caches, slots)),
+        np.asarray(caches))
+    for empty in (jnp.zeros((2, 0, 4, 576), jnp.bfloat16), jnp.zeros((2, 3, 0, 576), jnp.bfloat16)):
+        with pytest.raises(ValueError, match="kv_cache_shards must have at least one"):
+            par.sharded_concat_and_cache_mla(mesh, rows, rows[:, :64], empty, slots)
+
+
+def test_sharded_decode_no_tokens_checks_the_arguments_as_with_tokens():
+    mesh = par.make_decode_mesh(1, 2)
+    q, caches, tables, topk, req = sharded_inputs(t=0)
+    with pytest.raises(BAD, match="implementation"):
+        par.sharded_sparse_mla_decode(mesh, q, caches, tables, topk, req, scale=0.1,
+                                      implementation="bogus")
+    with pytest.raises(BAD, match="q must have dtype"):
+        par.sharded_sparse_mla_decode(mesh, q.astype(jnp.float16), caches, tables, topk, req,
+                                      scale=0.1)
 
 
 @SETTINGS

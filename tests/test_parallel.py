@@ -73,11 +73,14 @@ def world():
     slots = par.dcp_slot_mapping(req_tok, pos_tok, i32(table), block_size=BS, dcp_size=1,
                                  dcp_rank=0)
     cache = jsm.concat_and_cache_mla(new_rows[:, :512], new_rows[:, 512:], cache, slots)
-    qsl = i32(np.arange(len(REQ_OF_TOKEN) + 1))  # only req_id_per_token matters below
+    # One token per request, the last request three: only req_id_per_token matters below, and it is
+    # replaced by REQ_OF_TOKEN (whose order no query_start_loc can express).
+    qsl = i32(list(range(len(SEQ_LENS))) + [len(REQ_OF_TOKEN)])
     common = jsm.CommonAttentionMetadata(
         query_start_loc=qsl, seq_lens=i32(SEQ_LENS), block_table_tensor=i32(table),
-        slot_mapping=i32(np.full(len(REQ_OF_TOKEN), -1)), num_reqs=len(REQ_OF_TOKEN),
-        num_actual_tokens=len(REQ_OF_TOKEN), max_query_len=1, max_seq_len=MAX_LEN)
+        slot_mapping=i32(np.full(len(REQ_OF_TOKEN), -1)), num_reqs=len(SEQ_LENS),
+        num_actual_tokens=len(REQ_OF_TOKEN), max_query_len=len(REQ_OF_TOKEN) - len(SEQ_LENS) + 1,
+        max_seq_len=MAX_LEN)
     metadata = jsm.FlashInferMLASparseMetadataBuilder(num_heads=H, block_size=BS, topk_tokens=K) \
         .build(common)
     metadata = type(metadata)(**{**metadata.__dict__, "req_id_per_token": i32(REQ_OF_TOKEN)})

@@ -86,6 +86,13 @@ class MLAConfig:
         return scale
 
 
+def check_config(config) -> MLAConfig:
+    """`config` must be an MLAConfig (its fields are checked when it is built)."""
+    if not isinstance(config, MLAConfig):
+        raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}.")
+    return config
+
+
 # The published configs' values (tests/flax/test_hf_config.py holds those configs and pins these).
 DEEPSEEK_V32 = MLAConfig(hidden_size=7168, num_heads=128, q_lora_rank=1536)
 # GLM-5: 32 indexer heads with interleaved RoPE pairs, plain RoPE with theta 1e6 (no YaRN, so the

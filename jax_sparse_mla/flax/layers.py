@@ -25,7 +25,7 @@ from ..ops.indexer import (fold_indexer_weights, fp8_mqa_logits, fp8_paged_mqa_l
 from ..ops.indexer_cache import cp_gather_indexer_k_quant_cache, indexer_k_quant_and_cache
 from ..ops.kv_cache import concat_and_cache_mla, quantize_query_fp8
 from ..ops.metadata import FlashInferMLASparseMetadata
-from .config import MLAConfig
+from .config import MLAConfig, check_config
 from .rope import apply_rope
 
 
@@ -95,7 +95,13 @@ class LayerCache(NamedTuple):
 def empty_layer_cache(config: MLAConfig, num_blocks: int, block_size: int,
                       kv_cache_dtype: str = "auto", *, shared_indexer: bool = False) -> LayerCache:
     """Zeroed caches; kv_cache_dtype "auto" / "bfloat16", "fp8" / "fp8_e4m3" or "fp8_ds_mla".
-    shared_indexer: the layer reuses the previous layer's top-k and keeps no index cache (None)."""
+    shared_indexer: the layer reuses the previous layer's top-k and keeps no index cache (None).
+    num_blocks and block_size are positive ints (TypeError / ValueError naming them otherwise)."""
+    check_config(config)
+    num_blocks = _v.check_static_size("num_blocks", num_blocks)
+    block_size = _v.check_static_size("block_size", block_size)
+    _v.check_kv_cache_dtype(kv_cache_dtype)
+    shared_indexer = _v.check_bool("shared_indexer", shared_indexer)
     width = config.kv_lora_rank + config.qk_rope_head_dim
     if kv_cache_dtype == "fp8_ds_mla":
         kv_cache = jnp.zeros((num_blocks, block_size, DS_MLA_ROW_BYTES), jnp.uint8)
@@ -108,11 +114,6 @@ def empty_layer_cache(config: MLAConfig, num_blocks: int, block_size: int,
 
 
 _ACTIVATION_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
-
-
-def _check_config(config) -> None:
-    if not isinstance(config, MLAConfig):
-        raise TypeError(f"config must be an MLAConfig, got {type(config).__name__}.")
 
 
 def _check_construction(rngs, dtype) -> None:
@@ -140,12 +141,15 @@ def _check_tokens(config: MLAConfig, x, positions) -> tuple[jax.Array, jax.Array
 
 
 def _check_metadata(metadata, num_tokens: int, block_size: int, cache_name: str) -> None:
-    """The metadata arrays a layer step reads, against T and the cache's block size."""
+    """The metadata a layer step reads, against T and the cache's block size: its static sizes and
+    array shapes at trace time (jitted too), and seq_lens <= max_seq_len when concrete (under jit
+    the prefill path gathers at most max_seq_len keys of a request)."""
     if not isinstance(metadata, FlashInferMLASparseMetadata):
         raise TypeError(f"metadata must be a FlashInferMLASparseMetadata, got "
                         f"{type(metadata).__name__}.")
-    if metadata.block_size != block_size:
-        raise ValueError(f"metadata.block_size={metadata.block_size} differs from the block size "
+    metadata_block_size = _v.check_int("metadata.block_size", metadata.block_size, minimum=1)
+    if metadata_block_size != block_size:
+        raise ValueError(f"metadata.block_size={metadata_block_size} differs from the block size "
                          f"{block_size} of {cache_name} (axis 1).")
     slots = _v.as_array("metadata.slot_mapping", metadata.slot_mapping)
     _v.check_int_dtype("metadata.slot_mapping", slots)
@@ -163,9 +167,12 @@ def _check_metadata(metadata, num_tokens: int, block_size: int, cache_name: str)
         raise ValueError(f"metadata.seq_lens {tuple(seq_lens.shape)} and metadata.block_table "
                          f"{tuple(table.shape)} must have the same number of requests.")
     num_reqs = _v.check_int("metadata.num_reqs", metadata.num_reqs, minimum=0)
+    _v.check_rows_cover("metadata.block_table", table, num_reqs, "requests (metadata.num_reqs)")
     _v.check_shape("metadata.query_start_loc",
                    _v.as_array("metadata.query_start_loc", metadata.query_start_loc),
                    (num_reqs + 1,), f"for num_reqs={num_reqs}")
+    max_seq_len = _v.check_int("metadata.max_seq_len", metadata.max_seq_len, minimum=0)
+    _v.check_values_at_most("metadata.seq_lens", seq_lens, max_seq_len, "metadata.max_seq_len")
 
 
 def _check_index_cache(index_cache, num_blocks: int | None = None, block_size: int | None = None):
@@ -239,7 +246,7 @@ class Indexer(nnx.Module):
                  max_decode_next_n: int = 2, max_logits_bytes: int = 512 << 20,
                  implementation: IndexerImplementation = "auto") -> None:
         # Checked before anything else so a bad value fails here, not at the first traced call.
-        _check_config(config)
+        check_config(config)
         _check_construction(rngs, dtype)
         _v.check_int("max_decode_next_n", max_decode_next_n, minimum=1)
         _v.check_int("max_logits_bytes", max_logits_bytes, minimum=1)
@@ -361,7 +368,9 @@ class Indexer(nnx.Module):
 
         Checked first (TypeError / ValueError naming the argument): x [T, hidden_size] and q_a [T,
         q_lora_rank] float, positions [T] int32, index_cache uint8 [num_blocks, block_size, 132]
-        with metadata.block_size == block_size, metadata.slot_mapping [T]."""
+        with metadata.block_size == block_size, metadata.slot_mapping [T], num_actual_tokens <= T,
+        at least num_reqs rows in metadata.block_table (these under jit too), and concrete
+        metadata.seq_lens <= metadata.max_seq_len."""
         c = self.config
         x, positions, num_tokens = _check_tokens(c, x, positions)
         q_a = _v.as_array("q_a", q_a)
@@ -402,7 +411,7 @@ class MLASparseAttention(nnx.Module):
                  implementation: str = "auto",
                  indexer_implementation: IndexerImplementation = "auto",
                  shared_indexer: bool = False) -> None:
-        _check_config(config)
+        check_config(config)
         _check_construction(rngs, dtype)
         _v.check_kv_cache_dtype(kv_cache_dtype)
         q_scale = _v.check_finite_positive_float("q_scale", q_scale)
@@ -466,6 +475,10 @@ class MLASparseAttention(nnx.Module):
         built with shared_indexer=True runs no indexer and attends over `topk_indices` [T,
         index_topk] int32, the selection the previous full layer returned (GLM-5.2's shared layers),
         and returns it unchanged; a full layer computes its own and takes none.
+
+        Checked first, as Indexer.__call__ checks its arguments, and cache.kv_cache against
+        kv_cache_dtype, cache.index_cache against kv_cache's [num_blocks, block_size] (under jit
+        too: the shapes are static).
         """
         c = self.config
         x, positions, num_tokens = _check_tokens(c, x, positions)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import MLAConfig
+from .. import _validation as _v
+from .config import MLAConfig, check_config
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -45,7 +46,21 @@ def apply_rope(x: jax.Array, positions: jax.Array, config: MLAConfig, *,
     interleaved=True pairs (x[2i], x[2i+1]): DeepSeek's MLA (its reference views the RoPE dims as
     complex numbers, vLLM's MLA RoPE has is_neox_style=False). interleaved=False pairs (x[i], x[i + R/2])
     (NeoX style): DeepSeek-V3.2's indexer since the fix in vLLM PR #28968.
+
+    Checked first (TypeError / ValueError naming the argument): x a bf16 / f16 / f32 array of rank
+    >= 2 with an even last dim R, positions int32 [T] for x's T, config an MLAConfig, interleaved a
+    bool.
     """
+    x = _v.as_array("x", x)
+    _v.check_min_rank("x", x, 2)
+    _v.check_dtype("x", x, (jnp.bfloat16, jnp.float16, jnp.float32))
+    if x.shape[-1] % 2:
+        raise ValueError(f"x must have an even last dimension (RoPE pairs), got shape "
+                         f"{tuple(x.shape)}.")
+    positions = _v.int32_array("positions", positions, 1)
+    _v.check_shape("positions", positions, (x.shape[0],), "to match x's tokens")
+    check_config(config)
+    interleaved = _v.check_bool("interleaved", interleaved)
     rotary_dim = x.shape[-1]
     inv_freq = jnp.asarray(inverse_frequencies(config, rotary_dim))
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, R/2]

@@ -285,9 +285,11 @@ def cp_lse_ag_out_rs(
       r (the sum runs in out's dtype, like vLLM's NCCL reduce-scatter); with return_lse also
       lse [B, H/N]. With N == 1 the inputs are returned unchanged, as in vLLM.
 
-    Errors: H = 0 is a ValueError naming cp_attn_out (B = 0 or D = 0 give empty results); an
-    axis_name that is not bound where the function runs (outside shard_map, or a name the mesh
-    lacks) is a ValueError naming axis_name.
+    Errors: H = 0 is a ValueError naming cp_attn_out; B = 0 or D = 0 give empty results under
+    jax.jit, and are a ValueError naming cp_attn_out inside an eager (not jitted) shard_map, whose
+    zero-size outputs JAX assembles with shards that disagree with their sharding (the result
+    fails when read); an axis_name that is not bound where the function runs (outside shard_map,
+    or a name the mesh lacks) is a ValueError naming axis_name.
     """
     cp_attn_out, cp_attn_lse = _float_out_and_lse("cp_attn_out", cp_attn_out, 3,
                                                   "cp_attn_lse", cp_attn_lse, 2)
@@ -300,6 +302,12 @@ def cp_lse_ag_out_rs(
             f"cp_attn_lse [B, H] must match cp_attn_out [B, H, D]; got {tuple(cp_attn_lse.shape)} "
             f"and {tuple(cp_attn_out.shape)}."
         )
+    if cp_attn_out.size == 0 and v.in_eager_shard_map(cp_attn_out):
+        raise ValueError(
+            f"cp_attn_out {tuple(cp_attn_out.shape)} has no elements inside an eager jax.shard_map, "
+            "whose zero-size outputs JAX assembles with shards that disagree with their sharding "
+            "(reading them fails): jit the shard_map (B = 0 or D = 0 then give empty results) or "
+            "skip the call for an empty batch.")
     if n == 1:
         return (cp_attn_out, cp_attn_lse) if return_lse else cp_attn_out
     heads = cp_attn_out.shape[1]

@@ -227,6 +227,9 @@ def _gather_xla(index_cache, block_table, cu_seq_lens, *, num_tokens):
     zeros = (jnp.zeros((num_tokens, _D), jnp.float8_e4m3fn), jnp.zeros((num_tokens,), jnp.float32))
     if num_reqs == 0 or width == 0 or num_blocks == 0 or num_tokens == 0:
         return zeros
+    # The documented reading of a negative or decreasing cu_seq_lens (only reachable under jit): its
+    # running maximum, clamped at 0. A sorted, non-negative cu_seq_lens is unchanged.
+    cu_seq_lens = jax.lax.cummax(jnp.maximum(cu_seq_lens, 0), axis=0)
     row = jnp.arange(num_tokens, dtype=jnp.int32)
     # Row n belongs to the first request r with cu[r + 1] > n (empty requests are skipped).
     req = jnp.searchsorted(cu_seq_lens[1:], row, side="right").astype(jnp.int32)
@@ -268,10 +271,11 @@ def cp_gather_indexer_k_quant_cache(
       [0, num_blocks) among the blocks a request reads (block_table[r, :ceil(len_r / block_size)]) is
       a ValueError naming the argument. Under `jax.jit` the values are unknown and none of this is
       checked: rows past the table or past num_tokens are dropped (0) and block ids outside
-      [0, num_blocks) read as 0 (scale 0); a negative or decreasing cu_seq_lens assigns rows to
-      requests in an unspecified way (a binary search over an unsorted array), but every row is still
-      either 0 with scale 0 or a record read through its request's table row from a block inside the
-      cache: nothing is ever read outside the cache or the table.
+      [0, num_blocks) read as 0 (scale 0); cu_seq_lens is read as its running maximum clamped at 0,
+      cu'[r] = max(0, cu[0], ..., cu[r]) (no change to a valid one), so a negative length counts as
+      0 and a request whose entries fall below an earlier one keeps only the rows past them:
+      request r owns rows [cu'[r], cu'[r + 1]) and row cu'[r] + i is its token i. Nothing is ever
+      read outside the cache or the table.
 
     Raises:
       TypeError: an argument that is not an array, or of the wrong dtype; num_tokens not an int.

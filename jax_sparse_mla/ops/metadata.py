@@ -167,11 +167,13 @@ class FlashInferMLASparseMetadataBuilder:
         ValueError for a wrong rank, size or value) and builds the metadata.
 
         Checked at trace time: the static sizes (ints >= 0), query_start_loc [num_reqs + 1] int32,
-        seq_lens [R] int32 and block_table_tensor [R, W] int32 (the same R: a padded batch may have
-        R > num_reqs rows), slot_mapping [>= num_actual_tokens] int32/int64, and the host copies.
-        Checked on values when they are concrete (eager calls, host copies): query_start_loc starts at
-        >= 0, never decreases and ends at <= num_actual_tokens; seq_lens >= 0. Under jax.jit traced
-        values are not checked (nothing here indexes with them).
+        seq_lens [R] int32 and block_table_tensor [R, W] int32 (the same R >= num_reqs: a padded
+        batch may have R > num_reqs rows, never fewer), slot_mapping [>= num_actual_tokens]
+        int32/int64, and the host copies. Checked on values when they are concrete (eager calls, host
+        copies): query_start_loc starts at >= 0, never decreases and ends at <= num_actual_tokens;
+        0 <= seq_lens <= max_seq_len. Under jax.jit traced values are not checked (nothing here
+        indexes with them; the Flax layers' prefill path gathers at most max_seq_len keys of a
+        request).
         """
         if not isinstance(common, CommonAttentionMetadata):
             raise TypeError(f"common must be a CommonAttentionMetadata, got {type(common).__name__}.")
@@ -199,6 +201,7 @@ class FlashInferMLASparseMetadataBuilder:
                 f"seq_lens and block_table_tensor must have one entry per request (the same R): got "
                 f"seq_lens {tuple(seq_lens_arr.shape)} and block_table_tensor {tuple(table.shape)}."
             )
+        v.check_rows_cover("block_table_tensor", table, num_reqs, "requests (num_reqs)")
         if slot_mapping.shape[0] < num_tokens:
             raise ValueError(
                 f"slot_mapping has {slot_mapping.shape[0]} entries for "
@@ -221,6 +224,8 @@ class FlashInferMLASparseMetadataBuilder:
                              ("seq_lens_cpu", seq_lens_host)):
             if values is not None and np.any(values < 0):
                 raise ValueError(f"{name} must be >= 0, got {values.tolist()}.")
+            if values is not None:
+                v.check_values_at_most(name, values, max_seq_len, "max_seq_len")
         if max_query_len <= self.reorder_batch_threshold:
             split = (num_reqs, 0, num_tokens, 0)
         else:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 from hypothesis import given, settings, strategies as st
 
 import jax_sparse_mla as jsm
+from jax_sparse_mla.flax import apply_rope
 from jax_sparse_mla.flax.config import PRESETS, TINY, MLAConfig
 from jax_sparse_mla.flax.layers import Indexer, LayerCache, MLASparseAttention, empty_layer_cache
 
@@ -131,6 +134,57 @@ def test_attention_cache_and_metadata(case, match):
         layer()(x, positions, cache, md, topk)
 
 
+# Metadata fields a step reads, each set to a value that disagrees with x's T tokens or the caches:
+# (field, value, what the error names). Static at trace time, so refused under jit as well.
+_METADATA_DEFECTS = {
+    "num_actual_tokens": (st.integers(T + 1, 64), "num_actual_tokens"),
+    "slot_mapping": (st.integers(0, 8).filter(lambda n: n != T).map(
+        lambda n: jnp.arange(n, dtype=jnp.int32)), "slot_mapping"),
+    "block_size": (st.one_of(st.integers(1, 64).filter(lambda b: b != BS), st.just("16"),
+                             st.just(16.0), st.none()), "block_size"),
+    "num_reqs": (st.integers(2, 5), "block_table"),  # the table has one row
+    "req_id_per_token": (st.integers(0, T - 1).map(lambda n: jnp.zeros((n,), jnp.int32)),
+                         "req_id_per_token"),
+    "block_table": (st.sampled_from([jnp.zeros((1, 2), jnp.float32), jnp.zeros((2,), jnp.int32),
+                                     [[0, 1]]]), "block_table"),
+}
+
+
+@settings(max_examples=25, deadline=None)
+@given(field=st.sampled_from(sorted(_METADATA_DEFECTS)), data=st.data(), jitted=st.booleans())
+def test_attention_metadata_disagreeing_with_tokens_and_caches(field, data, jitted):
+    strategy, match = _METADATA_DEFECTS[field]
+    value = data.draw(strategy)
+    x, positions, cache, md = inputs()
+    if field == "num_reqs":  # qsl follows num_reqs, so only the table's rows disagree
+        md = dataclasses.replace(md, num_reqs=value,
+                                 query_start_loc=jnp.zeros((value + 1,), jnp.int32))
+    else:
+        md = dataclasses.replace(md, **{field: value})
+    call = (lambda *a: nnx.jit(lambda m, *b: m(*b))(layer(), *a)) if jitted else layer()
+    with pytest.raises(BAD, match=match):
+        call(x, positions, cache, md)
+
+
+def test_attention_padding_tokens_and_seq_lens_bound():
+    x, positions, cache, md = inputs()
+    y, _, topk = layer()(x, positions, cache, dataclasses.replace(md, num_actual_tokens=T - 2))
+    assert (np.asarray(topk[T - 2:]) == -1).all()  # padding tokens select nothing
+    short = dataclasses.replace(md, max_seq_len=1)  # seq_lens [4] past the static bound
+    with pytest.raises(ValueError, match=r"metadata.seq_lens holds 4, past metadata.max_seq_len=1"):
+        layer()(x, positions, cache, short)
+    nnx.jit(lambda m, *a: m(*a))(layer(), x, positions, cache, short)  # traced: not checked
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_index_cache_blocks_must_match_kv_cache_under_jit(shared):
+    x, positions, cache, md = inputs()
+    bad = LayerCache(cache.kv_cache, jnp.zeros((3, BS, 132), jnp.uint8))
+    topk = jnp.zeros((T, TINY.index_topk), jnp.int32) if shared else None
+    with pytest.raises(ValueError, match=r"index_cache \(3, 16, 132\) must have kv_cache's"):
+        nnx.jit(lambda m, *a: m(*a))(layer(shared), x, positions, bad, md, topk)
+
+
 @pytest.mark.parametrize("topk", [jnp.zeros((T, 64), jnp.int32), jnp.zeros((T + 1, 128), jnp.int32),
                                   jnp.zeros((T, 128), jnp.float32), [[0] * 128] * T])
 def test_shared_layer_topk_indices(topk):
@@ -180,3 +234,34 @@ def test_indexer_block_size_mismatch_and_constructor_checks():
 def test_constructors_check_rngs_and_dtype(cls, kwargs, match):
     with pytest.raises(TypeError, match=match):
         cls(TINY, **dict(dict(rngs=nnx.Rngs(0)), **kwargs))
+
+
+@SETTINGS
+@given(arg=st.sampled_from(["x", "positions", "config", "interleaved"]), data=st.data())
+def test_apply_rope_checks_its_arguments(arg, data):
+    kw = dict(x=jnp.zeros((T, 2, 64), jnp.float32), positions=jnp.arange(T, dtype=jnp.int32),
+              config=TINY, interleaved=True)
+    bad = {
+        "x": st.one_of(NOT_ARRAYS, st.sampled_from([jnp.zeros((T,), jnp.float32),
+                                                     jnp.zeros((T, 63), jnp.float32),
+                                                     jnp.zeros((T, 64), jnp.int32),
+                                                     np.zeros((T, 2, 64)).tolist()])),
+        "positions": st.one_of(NOT_ARRAYS, st.sampled_from([jnp.arange(T, dtype=jnp.float32),
+                                                            jnp.arange(T + 1, dtype=jnp.int32),
+                                                            jnp.zeros((T, 1), jnp.int32)])),
+        "config": st.sampled_from([None, {"rope_theta": 1e4}, "tiny"]),
+        "interleaved": st.sampled_from([None, 1, "False"]),
+    }[arg]
+    kw[arg] = data.draw(bad)
+    with pytest.raises(BAD, match=arg):
+        apply_rope(**kw)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(config=None), "config"), (dict(num_blocks=0), "num_blocks"),
+    (dict(num_blocks=2.0), "num_blocks"), (dict(block_size=-1), "block_size"),
+    (dict(kv_cache_dtype="int4"), "kv_cache_dtype"), (dict(shared_indexer="no"), "shared_indexer"),
+])
+def test_empty_layer_cache_checks_its_arguments(kwargs, match):
+    with pytest.raises(BAD, match=match):
+        empty_layer_cache(**{**dict(config=TINY, num_blocks=2, block_size=BS), **kwargs})
