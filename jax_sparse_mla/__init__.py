@@ -13,6 +13,7 @@ A port of vLLM's FlashInfer sparse-MLA backend. The package is laid out by role:
 """
 
 from . import kernels  # registers the native kernel families with the registry
+from .kernels.availability import NativeKernelsUnavailableWarning
 from .ops.attention import sparse_mla_decode
 from .backend import (
     DeviceCapability,
@@ -51,6 +52,7 @@ __all__ = [
     "FlashInferMLASparseSM120Backend",
     "FlashInferMLASparseTRTLLMBackend",
     "LayerScales",
+    "NativeKernelsUnavailableWarning",
     "concat_and_cache_ds_mla",
     "concat_and_cache_mla",
     "convert_req_index_to_global_index",

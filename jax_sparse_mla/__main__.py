@@ -3,20 +3,20 @@
 Prints the versions (Python, jax, jaxlib, the FlashInfer headers the extension was built against), the
 default device, the native kernel families the extension holds and their machine code, and for this
 machine the implementation each public op would dispatch to under implementation="auto", with the
-registry's reason for every native kernel it passed over.
+registry's reason for every native kernel it passed over. On a machine with an NVIDIA GPU where no
+native kernel can run (a CPU-only jaxlib, no extension, or one built for other GPU families) it says
+so in one line with the command that fixes it (kernels/availability.py), before the dispatch table.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
-import pathlib
 import platform
 
 import jax
 
 from . import __version__
-from .kernels import native, registry
+from .kernels import availability, native, registry
 from .ops import index_conversion
 
 # A DeepSeek-V3.2 decode step (128 heads, top-k 2048, block size 64): the shapes the per-kernel
@@ -32,12 +32,6 @@ def _version(package: str) -> str:
         return "not installed"
 
 
-def build_config() -> dict:
-    """jax_sparse_mla/_build_config.json, written by the install's CMake step ({} in a source tree)."""
-    path = pathlib.Path(__file__).with_name("_build_config.json")
-    return json.loads(path.read_text()) if path.is_file() else {}
-
-
 def _device_line() -> str:
     device = jax.devices()[0]
     line = f"{device.platform} ({device.device_kind}"
@@ -48,7 +42,7 @@ def _device_line() -> str:
 
 
 def _extension_lines() -> list[str]:
-    config = build_config()
+    config = native.build_config()
     if native.module is None:
         reason = config.get("reason") or native.missing_reason()
         return [f"native extension: not built, pure JAX only ({reason})"]
@@ -144,6 +138,9 @@ def main() -> None:
     print(f"  default device: {_device_line()}")
     for line in _extension_lines():
         print(line)
+    reason = availability.unavailable_reason()
+    if reason is not None:
+        print(reason)
     shape = ", ".join(f"{k}={v}" for k, v in _EXAMPLE_PROBLEM.items())
     print(f'dispatch here with implementation="auto" (bf16 query, {shape}):')
     for line in _attention_lines() + _index_conversion_lines() + _indexer_lines():

@@ -1,5 +1,6 @@
-"""Native kernels: the registry (`registry`), the compiled extension (`native`) and one binding
-module per kernel family, each of which registers its kernels when imported:
+"""Native kernels: the registry (`registry`), the compiled extension (`native`), whether any native
+kernel can run in this process and why not (`availability`), and one binding module per kernel
+family, each of which registers its kernels when imported:
 
     sm90                  FlashInfer's Hopper MLA kernel (bf16 caches; fp8 through fa3)   ffi/sm90/
     sm90_fp8              our SM90 fp8 kernels (per-tensor e4m3 and fp8_ds_mla caches)   ffi/sm90/

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
+import json
 import os
 import pathlib
 
@@ -60,6 +61,13 @@ def flashinfer_cubin_package_dir() -> str:
 
 if module is not None:
     module.set_cubin_package_dir(flashinfer_cubin_package_dir())
+
+
+def build_config() -> dict:
+    """jax_sparse_mla/_build_config.json, written by the install's CMake step: what was built, or
+    {"native": false, "reason": ...} (ffi/CMakeLists.txt); {} in a source tree."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "_build_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def build_info() -> dict:

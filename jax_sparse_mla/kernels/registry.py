@@ -39,6 +39,8 @@ from typing import Any, Callable, Sequence, TypeVar
 import jax
 import jax.numpy as jnp
 
+from . import availability
+
 IMPLEMENTATIONS = ("auto", "xla", "native")
 
 
@@ -153,14 +155,7 @@ def registered_kernels() -> tuple[SparseMLAKernel, ...]:
 
 def current_device_capability() -> tuple[int, int] | None:
     """(major, minor) of the default device when it is a CUDA GPU, else None."""
-    device = jax.devices()[0]
-    if device.platform != "gpu":
-        return None
-    capability = getattr(device, "compute_capability", None)
-    if not capability:
-        return None
-    major, _, minor = str(capability).partition(".")
-    return int(major), int(minor or 0)
+    return availability.cuda_capability(jax.devices()[0])
 
 
 def device_sm_count() -> int:
@@ -206,7 +201,9 @@ def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_
     native kernels win. reason(kernel) is None when a native kernel can run this call, else why not.
     "xla" returns the pure-JAX kernel, "auto" the last validated native kernel that fits or else the
     pure-JAX one, "native" the last native kernel that fits (validated or not) or a ValueError listing
-    every candidate's reason.
+    every candidate's reason. When "auto" falls back for an op that has native kernels, and no native
+    kernel can run in this process on a machine with an NVIDIA GPU, the first such fallback warns
+    (availability.warn_once).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}.")
@@ -225,6 +222,8 @@ def _choose(kernels: Sequence[_Kernel], implementation: str, reason: Callable[[_
         detail = "; ".join(reasons) if reasons else "no native kernel is registered"
         raise ValueError(
             f"implementation='native' was requested{subject} but no native kernel fits: {detail}.")
+    if reasons:
+        availability.warn_once()
     return fallback
 
 

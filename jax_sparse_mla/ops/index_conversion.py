@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .. import _validation as v
-from ..kernels import index_conversion_native
+from ..kernels import availability, index_conversion_native
 
 try:  # Pallas' Triton backend is deprecated in JAX 0.11 and will be removed
     from ..kernels import index_conversion_pallas
@@ -100,6 +100,7 @@ def _select_core(implementation: str, *, num_tokens: int, compact: bool, dcp_siz
         if implementation != "auto":
             raise ValueError(f"implementation={implementation!r} cannot run the index conversion: "
                              f"{reason}. Use 'xla' or 'auto'.")
+    availability.warn_once()  # warns (once) when no native kernel can run on this NVIDIA GPU
     return _convert
 
 
