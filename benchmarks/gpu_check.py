@@ -23,9 +23,10 @@ and the next one runs):
              step's idle time goes (timing.decode_gaps: a summary line here, the table in the log)
   prefill    bench_prefill.py: time to first token of 1 x {8192, 32768, 65536, 131072} and 8 x 8192
              prompts in chunks of 8192 (bf16 and fp8_ds_mla caches, auto; pure JAX up to 32768),
-             beside the prefill's FLOP limit at the run's measured rates
+             beside the prefill's FLOP limit at the run's measured rates; bench_mixed_step.py: 32
+             decode tokens and a chunk of 8192 in one call against the two apart
 Results: DIR/sm90_<card>.json (+ .png), indexer_<card>.json, index_conversion_<card>.json,
-prefill_<card>.json, gpu_check_<card>.json (the steps' status and times, the example's steps), gpu_check_<card>.log.
+prefill_<card>.json, mixed_step_<card>.json, gpu_check_<card>.json (the steps' status and times, the example's steps), gpu_check_<card>.log.
 The last thing printed is a one-screen summary. Tests and benchmarks import the installed package
 (python -P), never the source tree.
 """
@@ -202,6 +203,12 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
                              f"{r['ttft_ms'] / r['limit_ms']:.2f}x), {r['prefill_tokens_per_s']:,.0f}")
             else:
                 lines.append(f"{head}: failed (see the log)")
+    mixed = rows(os.path.join(out, f"mixed_step_{card}.json"))
+    if mixed:
+        lines.append("  mixed step: decode tokens + one prefill chunk in one call vs two (device ms):")
+        for r in mixed:
+            lines.append(f"    {r['kv_cache_dtype']:>10} {r['decodes']} decodes + chunk: "
+                         f"{r['mixed']['us'] / 1e3:.2f} vs {r['apart']['us'] / 1e3:.2f}")
     return lines
 
 
@@ -287,7 +294,10 @@ def main() -> None:
             status, _, seconds = log.run("prefill", [
                 *python, os.path.join(HERE, "bench_prefill.py"), "--out", out], env=bench_env,
                 timeout=1800)
-            record(step, status, seconds)
+            mixed_status, _, mixed_seconds = log.run("mixed step", [
+                *python, os.path.join(HERE, "bench_mixed_step.py"), "--out", out], env=bench_env,
+                timeout=900)
+            record(step, max(status, mixed_status), seconds + mixed_seconds)
     lines = summary_lines(out, card, state)
     log.write("\n".join(["", "== summary", *lines, ""]))
     print("\n" + "\n".join(lines))

@@ -211,3 +211,24 @@ def test_prefill_flops_count_each_token(tmp_path):
     by_kind, top = bench.kernel_time_by_kind(str(tmp_path))
     assert by_kind == {"logits": 10.0, "top-k": 4.0, "attention": 7.0, "GEMMs": 20.0, "rest": 3.0}
     assert top[0] == ("nvjet_tst_256x128_64x4_2x1_v_bz_TNT", 20.0)
+
+
+def test_bench_mixed_step_smoke(tmp_path):
+    """bench_mixed_step's three steps on the tiny preset (wall times on the CPU): the JSON holds the
+    decode, chunk and mixed rows and their sum apart."""
+    import json
+
+    result = subprocess.run(
+        [sys.executable, "-P", os.path.join(BENCHMARKS, "bench_mixed_step.py"), "--preset", "tiny",
+         "--decodes", "2", "--context", "200", "--chunk", "64", "--layers", "1", "--calls", "1",
+         "--kv-cache-dtypes", "auto", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            filter(None, [BENCHMARKS, os.environ.get("PYTHONPATH")]))))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    (path,) = tmp_path.glob("mixed_step_*.json")
+    (row,) = json.load(open(path))["rows"]
+    assert row["decodes"] == 2 and row["kv_cache_dtype"] == "auto"
+    for step in ("decode", "chunk", "mixed"):
+        assert row[step]["us"] > 0 and row[step]["calls"] == 1
+    assert row["apart"]["us"] == row["decode"]["us"] + row["chunk"]["us"]
