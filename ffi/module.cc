@@ -1,8 +1,10 @@
 // The Python extension jax_sparse_mla._jax_sparse_mla_native: FFI handler capsules and the host
 // planner. Kept free of CUDA code (the kernels live in the .cu files).
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "common/cubin_loader.h"
 #include "common/index_conversion.h"
@@ -16,6 +18,7 @@
 #include "sm90/sm90_handlers.h"
 #include "sm90/sm90_schedule.h"
 #include "sm100/trtllm_gen.h"
+#include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
 
@@ -28,66 +31,102 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-nb::dict Registrations() {
-  nb::dict targets;
+// The FFI targets of this build: name and handler symbol.
+struct Target {
+  const char* name;
+  XLA_FFI_Handler* handler;
+};
+
+const std::vector<Target>& Targets() {
+  static const std::vector<Target> targets = {
 #ifdef JAX_SPARSE_MLA_HAS_COMMON
-  targets["jax_sparse_mla_index_conversion"] = EncapsulateFfiHandler(JaxSparseMlaIndexConversion);
-  targets["jax_sparse_mla_index_conversion_counts"] =
-      EncapsulateFfiHandler(JaxSparseMlaIndexConversionCounts);
+      {"jax_sparse_mla_index_conversion", JaxSparseMlaIndexConversion},
+      {"jax_sparse_mla_index_conversion_counts", JaxSparseMlaIndexConversionCounts},
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM90
-  targets["jax_sparse_mla_sm90_decode_bf16"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeBf16);
-  targets["jax_sparse_mla_sm90_decode_fp8"] = EncapsulateFfiHandler(JaxSparseMlaSm90DecodeFp8);
-  targets["jax_sparse_mla_sm90_fp8_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm90Fp8Decode);
-  targets["jax_sparse_mla_sm90_paged_mqa_logits"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90PagedMqaLogits);
-  targets["jax_sparse_mla_sm90_mqa_logits"] = EncapsulateFfiHandler(JaxSparseMlaSm90MqaLogits);
-  targets["jax_sparse_mla_sm90_top_k_per_row"] = EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRow);
-  targets["jax_sparse_mla_sm90_top_k_per_row_decode"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecode);
-  targets["jax_sparse_mla_sm90_top_k_per_row_cluster"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowCluster);
-  targets["jax_sparse_mla_sm90_top_k_per_row_decode_cluster"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeCluster);
-  targets["jax_sparse_mla_sm90_top_k_per_row_stream"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowStream);
-  targets["jax_sparse_mla_sm90_top_k_per_row_decode_stream"] =
-      EncapsulateFfiHandler(JaxSparseMlaSm90TopKPerRowDecodeStream);
+      {"jax_sparse_mla_sm90_decode_bf16", JaxSparseMlaSm90DecodeBf16},
+      {"jax_sparse_mla_sm90_decode_fp8", JaxSparseMlaSm90DecodeFp8},
+      {"jax_sparse_mla_sm90_fp8_decode", JaxSparseMlaSm90Fp8Decode},
+      {"jax_sparse_mla_sm90_paged_mqa_logits", JaxSparseMlaSm90PagedMqaLogits},
+      {"jax_sparse_mla_sm90_mqa_logits", JaxSparseMlaSm90MqaLogits},
+      {"jax_sparse_mla_sm90_top_k_per_row", JaxSparseMlaSm90TopKPerRow},
+      {"jax_sparse_mla_sm90_top_k_per_row_decode", JaxSparseMlaSm90TopKPerRowDecode},
+      {"jax_sparse_mla_sm90_top_k_per_row_cluster", JaxSparseMlaSm90TopKPerRowCluster},
+      {"jax_sparse_mla_sm90_top_k_per_row_decode_cluster",
+       JaxSparseMlaSm90TopKPerRowDecodeCluster},
+      {"jax_sparse_mla_sm90_top_k_per_row_stream", JaxSparseMlaSm90TopKPerRowStream},
+      {"jax_sparse_mla_sm90_top_k_per_row_decode_stream", JaxSparseMlaSm90TopKPerRowDecodeStream},
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM100
-  targets["jax_sparse_mla_trtllm_gen_decode"] = EncapsulateFfiHandler(JaxSparseMlaTrtllmGenDecode);
+      {"jax_sparse_mla_trtllm_gen_decode", JaxSparseMlaTrtllmGenDecode},
 #endif
 #ifdef JAX_SPARSE_MLA_HAS_SM120
-  targets["jax_sparse_mla_sm120_decode"] = EncapsulateFfiHandler(JaxSparseMlaSm120Decode);
+      {"jax_sparse_mla_sm120_decode", JaxSparseMlaSm120Decode},
 #endif
+  };
   return targets;
 }
 
-// Targets whose handlers declare xla::ffi::Traits::kCmdBufferCompatible. JAX takes a handler's
-// traits at registration, not from its symbol, so kernels/native.py passes them for these names.
+nb::dict Registrations() {
+  nb::dict targets;
+  for (const Target& target : Targets()) {
+    targets[target.name] = EncapsulateFfiHandler(target.handler);
+  }
+  return targets;
+}
+
+// What a handler symbol declares (XLA_FFI_DEFINE_HANDLER_SYMBOL's traits, the FFI API version of
+// its headers), asked the way XLA asks: a call frame that carries the metadata extension, which the
+// handler answers without running. The frame has no API table: a handler reads it only to report a
+// struct-size mismatch, which cannot occur here (the handlers and this file include the same FFI
+// headers).
+XLA_FFI_Metadata HandlerMetadata(XLA_FFI_Handler* handler) {
+  XLA_FFI_Metadata metadata = {};
+  metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+  XLA_FFI_Metadata_Extension extension = {};
+  extension.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+  extension.extension_base.type = XLA_FFI_Extension_Metadata;
+  extension.extension_base.next = nullptr;
+  extension.metadata = &metadata;
+  XLA_FFI_CallFrame frame = {};
+  frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+  frame.extension_start = &extension.extension_base;
+  frame.api = nullptr;
+  frame.stage = XLA_FFI_ExecutionStage_EXECUTE;
+  if (handler(&frame) != nullptr) {
+    throw std::runtime_error("an FFI handler did not answer the metadata query");
+  }
+  return metadata;
+}
+
+bool CommandBufferCompatible(XLA_FFI_Handler* handler) {
+  return (HandlerMetadata(handler).traits & XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE) != 0;
+}
+
+// Targets whose handlers declare xla::ffi::Traits::kCmdBufferCompatible, read from the handlers
+// themselves. JAX takes a handler's traits at registration, not from its symbol, so
+// kernels/native.py passes them for these names.
 std::vector<std::string> CommandBufferTargets() {
   std::vector<std::string> names;
-#ifdef JAX_SPARSE_MLA_HAS_COMMON
-  names.push_back("jax_sparse_mla_index_conversion");
-  names.push_back("jax_sparse_mla_index_conversion_counts");
-#endif
-#ifdef JAX_SPARSE_MLA_HAS_SM90
-  names.push_back("jax_sparse_mla_sm90_decode_bf16");
-  names.push_back("jax_sparse_mla_sm90_decode_fp8");
-  names.push_back("jax_sparse_mla_sm90_fp8_decode");
-  names.push_back("jax_sparse_mla_sm90_paged_mqa_logits");
-  names.push_back("jax_sparse_mla_sm90_mqa_logits");
-  names.push_back("jax_sparse_mla_sm90_top_k_per_row");
-  names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode");
-  names.push_back("jax_sparse_mla_sm90_top_k_per_row_cluster");
-  names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode_cluster");
-  names.push_back("jax_sparse_mla_sm90_top_k_per_row_stream");
-  names.push_back("jax_sparse_mla_sm90_top_k_per_row_decode_stream");
-#endif
-#ifdef JAX_SPARSE_MLA_HAS_SM120
-  names.push_back("jax_sparse_mla_sm120_decode");
-#endif
+  for (const Target& target : Targets()) {
+    if (CommandBufferCompatible(target.handler)) names.push_back(target.name);
+  }
   return names;
+}
+
+nb::dict HandlerTraits() {
+  nb::dict result;
+  for (const Target& target : Targets()) {
+    const XLA_FFI_Metadata metadata = HandlerMetadata(target.handler);
+    nb::dict entry;
+    entry["traits"] = metadata.traits;
+    entry["command_buffer_compatible"] =
+        (metadata.traits & XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE) != 0;
+    entry["api_version"] =
+        nb::make_tuple(metadata.api_version.major_version, metadata.api_version.minor_version);
+    result[target.name] = entry;
+  }
+  return result;
 }
 
 // Which handler families this build holds and the machine code each was compiled for.
@@ -249,7 +288,12 @@ NB_MODULE(_jax_sparse_mla_native, m) {
 #endif
   m.def("command_buffer_targets", &CommandBufferTargets,
         "Names of the targets whose handlers are safe to record in CUDA graphs (XLA command "
-        "buffers); register them with the COMMAND_BUFFER_COMPATIBLE trait.");
+        "buffers): those whose handler symbols declare the trait; register them with the "
+        "COMMAND_BUFFER_COMPATIBLE trait.");
+  m.def("handler_traits", &HandlerTraits,
+        "What each target's handler symbol declares, read from the handler's metadata as XLA reads "
+        "it: {name: {'traits': int (XLA_FFI_Handler_Traits bits), 'command_buffer_compatible': "
+        "bool, 'api_version': (major, minor) of the XLA FFI headers it was built with}}.");
   m.def("build_info", &BuildInfo,
         "Handler families in this build ('sm90', 'sm100', 'sm120': comma-separated machine-code "
         "targets) and, with sm100, the TRTLLM-gen kernel table compiled in "

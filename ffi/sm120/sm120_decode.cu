@@ -24,6 +24,7 @@
 #include <flashinfer/attention/sparse_mla_sm120/kernels/dsv32_fp8/decode.cuh>
 #include <flashinfer/attention/sparse_mla_sm120/model/kv_cache_traits.cuh>
 
+#include "common/launch.h"
 #include "sm120/sm120_plan.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -52,11 +53,9 @@ cudaError_t Launch(int num_heads, int top_k, const bf16* q, const uint8_t* kv_ca
   const int h_blocks = ((NUM_HEADS == 0 ? num_heads : NUM_HEADS) + ::HPB - 1) / ::HPB;
   const int q_heads = NUM_HEADS == 0 ? num_heads : NUM_HEADS;
   constexpr int kSmemBytes = smla::Dsv32DecodeSmem<kModel>::LAUNCH_BYTES;
-  auto kernel = smla::sparse_mla_decode_dsv3_2_kernel<kModel, NUM_HEADS>;
-  // Every call, as FlashInfer does (a host-side attribute, valid under stream capture).
-  if (cudaError_t status =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-      status != cudaSuccess) {
+  constexpr auto kernel = smla::sparse_mla_decode_dsv3_2_kernel<kModel, NUM_HEADS>;
+  // FlashInfer sets the attribute on every call; once per device is enough (common/launch.h).
+  if (cudaError_t status = RaiseSharedMemoryLimit<kernel, kSmemBytes>(); status != cudaSuccess) {
     return status;
   }
   kernel<<<dim3(num_tokens, h_blocks, num_splits), smla::DSV32_BLOCK_THREADS, kSmemBytes,

@@ -6,11 +6,13 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "common/driver_entry_point.h"
+#include "common/host_cache.h"
+#include "common/launch.h"
 #include "sm90/indexer_logits.cuh"
 #include "sm90/indexer_logits.h"
-#include "sm90/sm90_launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sparse_mla::indexer {
@@ -28,11 +30,13 @@ ffi::Error ArgumentError(const char* op, const std::string& what) {
   return ffi::Error::InvalidArgument(std::string("sparse_mla sm90 ") + op + ": " + what);
 }
 
-using sm90::RaiseSharedMemoryLimit;
-
-// The ragged kernel's TMA view of the keys [N, 128] e4m3 (its keys_map parameter), encoded per call
-// on the host (a tensor map holds the buffer's address; a command buffer records it with the
-// launch), with the driver's encoder resolved at first use (common/driver_entry_point.h).
+// The ragged kernel's TMA view of the keys [N, 128] e4m3 (its keys_map parameter). A tensor map
+// holds the buffer's address and nothing else that varies, so it is a pure function of
+// (address, N): each thread encodes a pair the first time it sees it and reuses the map for the
+// next calls with the same buffer (the last 16 pairs: a model's layers each have their keys
+// buffer, whose address XLA's buffer assignment keeps from one execution to the next). A command
+// buffer records the map with the launch. The driver's encoder is resolved at first use
+// (common/driver_entry_point.h).
 ffi::Error EncodeKeysMap(const char* op, CUtensorMap* map, const void* keys, int64_t num_keys) {
   static const auto encode =
       ResolveDriverFunction<PFN_cuTensorMapEncodeTiled_v12000>("cuTensorMapEncodeTiled");
@@ -40,14 +44,23 @@ ffi::Error EncodeKeysMap(const char* op, CUtensorMap* map, const void* keys, int
     return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op +
                                 ": the driver has no cuTensorMapEncodeTiled");
   }
-  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kHeadDim), static_cast<cuuint64_t>(num_keys)};
-  const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(kHeadDim)};  // bytes
-  const cuuint32_t box[2] = {static_cast<cuuint32_t>(kHeadDim), static_cast<cuuint32_t>(kTileKeys)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult status =
-      encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(keys), dims, row_stride, box,
-             element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  using Key = std::pair<const void*, int64_t>;
+  thread_local RecentValues<Key, CUtensorMap, 16> recent;
+  const CUresult status = recent.Get(
+      Key{keys, num_keys}, CUDA_SUCCESS,
+      [](const Key& key, CUtensorMap* encoded) {
+        const cuuint64_t dims[2] = {static_cast<cuuint64_t>(kHeadDim),
+                                    static_cast<cuuint64_t>(key.second)};
+        const cuuint64_t row_stride[1] = {static_cast<cuuint64_t>(kHeadDim)};  // bytes
+        const cuuint32_t box[2] = {static_cast<cuuint32_t>(kHeadDim),
+                                   static_cast<cuuint32_t>(kTileKeys)};
+        const cuuint32_t element_strides[2] = {1, 1};
+        return encode(encoded, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, const_cast<void*>(key.first),
+                      dims, row_stride, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      },
+      map);
   if (status != CUDA_SUCCESS) {
     return ffi::Error::Internal(std::string("sparse_mla sm90 ") + op +
                                 ": cuTensorMapEncodeTiled failed with CUresult " +

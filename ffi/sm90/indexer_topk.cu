@@ -6,15 +6,14 @@
 #include <array>
 #include <cstdint>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <string>
 
+#include "common/host_cache.h"
+#include "common/launch.h"
 #include "sm90/indexer_topk.cuh"
 #include "sm90/indexer_topk.h"
 #include "sm90/indexer_topk_cluster.cuh"
 #include "sm90/indexer_topk_plan.h"
-#include "sm90/sm90_launch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_sparse_mla::indexer_topk {
@@ -64,8 +63,7 @@ template <bool kStream>
 cudaError_t LaunchPerRowKernel(const TopKParams& params, int64_t num_rows, cudaStream_t stream) {
   constexpr auto kKernel = TopKPerRowKernel<kStream>;
   constexpr int kBytes = kKernelSmemBytes<kStream>;
-  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<kKernel, kBytes>();
-      status != cudaSuccess) {
+  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kBytes>(); status != cudaSuccess) {
     return status;
   }
   kKernel<<<static_cast<unsigned>(num_rows), kThreads, kBytes, stream>>>(params);
@@ -94,31 +92,34 @@ void SetClusterSize(cudaLaunchConfig_t* config, cudaLaunchAttribute* attribute, 
 }
 
 // The clusters of 1, 2, 4 and 8 CTAs of TopKClusterKernel that this device runs at once, asked of
-// the occupancy calculator once per device (the kernel's shared-memory limit raised first).
+// the occupancy calculator once per device (the kernel's shared-memory limit raised first); later
+// calls read the answer without a lock.
 cudaError_t MaxActiveClusters(ActiveClusters& active) {
-  static std::mutex mutex;
-  static std::map<int, std::array<int, 4>> known;
+  static PerDevice<std::array<int, 4>> known;
   int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = known.find(device);
-  if (found == known.end()) {
-    std::array<int, 4> counts{};
-    for (int i = 0; i < 4; ++i) {
-      cudaLaunchConfig_t config = {};
-      cudaLaunchAttribute attribute;
-      config.gridDim = dim3(static_cast<unsigned>(kMaxClusterSize));
-      config.blockDim = dim3(kThreads);
-      config.dynamicSmemBytes = kMaxClusterDynamicBytes;
-      SetClusterSize(&config, &attribute, 1 << i);
-      if (cudaError_t status = cudaOccupancyMaxActiveClusters(&counts[i], TopKClusterKernel, &config);
-          status != cudaSuccess) {
-        return status;
-      }
-    }
-    found = known.emplace(device, counts).first;
-  }
-  for (int i = 0; i < 4; ++i) active[i] = found->second[i];
+  std::array<int, 4> counts{};
+  const cudaError_t status = known.Get(
+      device, cudaSuccess,
+      [](int, std::array<int, 4>* found) {
+        for (int i = 0; i < 4; ++i) {
+          cudaLaunchConfig_t config = {};
+          cudaLaunchAttribute attribute;
+          config.gridDim = dim3(static_cast<unsigned>(kMaxClusterSize));
+          config.blockDim = dim3(kThreads);
+          config.dynamicSmemBytes = kMaxClusterDynamicBytes;
+          SetClusterSize(&config, &attribute, 1 << i);
+          if (cudaError_t status =
+                  cudaOccupancyMaxActiveClusters(&(*found)[i], TopKClusterKernel, &config);
+              status != cudaSuccess) {
+            return status;
+          }
+        }
+        return cudaSuccess;
+      },
+      &counts);
+  if (status != cudaSuccess) return status;
+  for (int i = 0; i < 4; ++i) active[i] = counts[i];
   return cudaSuccess;
 }
 
@@ -126,8 +127,7 @@ cudaError_t MaxActiveClusters(ActiveClusters& active) {
 ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_rows,
                          cudaStream_t stream) {
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
-  if (cudaError_t status =
-          sm90::RaiseSharedMemoryLimit<TopKClusterKernel, kMaxClusterDynamicBytes>();
+  if (cudaError_t status = RaiseSharedMemoryLimit<TopKClusterKernel, kMaxClusterDynamicBytes>();
       status != cudaSuccess) {
     return LaunchError(op, status);
   }

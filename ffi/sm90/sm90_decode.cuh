@@ -6,7 +6,8 @@
 // Per call, on the XLA stream and with no host synchronisation or allocation:
 //   1. LaunchSm90Prepare packs the valid slots of each token (in range, before its valid count)
 //      and clamps the planned work items;
-//   2. one cooperative launch of FlashInfer's kernel computes attention and merges KV splits.
+//   2. one cooperative launch of FlashInfer's kernel computes attention and merges KV splits
+//      (LaunchHopperMla: FlashInfer's launch without its per-call attribute calls).
 // Everything else (the schedule) was computed once per shape on the host and reaches the handler
 // as a constant input buffer; scratch comes from XLA as extra results.
 #pragma once
@@ -18,6 +19,7 @@
 
 #include <flashinfer/attention/mla_hopper.cuh>
 
+#include "common/launch.h"
 #include "sm90/sm90_prepare.h"
 #include "sm90/sm90_schedule.h"
 #include "xla/ffi/api/ffi.h"
@@ -32,6 +34,32 @@ inline constexpr int64_t kRopeDim = 64;
 
 inline ffi::Error ShapeError(const std::string& what) {
   return ffi::Error::InvalidArgument("sparse_mla sm90 decode: " + what);
+}
+
+// FlashInfer's BatchMLAPageAttentionHopper<MaskMode::kNone, 512, 64> (mla_hopper.cuh of the pinned
+// flashinfer-python, ffi/flashinfer_headers.py), repeated but for its per-call host work: on every
+// call it reads the device's shared memory per SM (cudaGetDevice, cudaDeviceGetAttribute; the value
+// is unused) and sets the kernel's dynamic shared-memory limit (cudaFuncSetAttribute). Here the
+// limit is raised once per device (common/launch.h). Same kernel traits (non-causal, 2 stages,
+// 64-query and 64-key tiles), same cooperative launch of (cluster_size, num_clusters) CTAs.
+template <typename Params>
+cudaError_t LaunchHopperMla(const Params& params, uint32_t cluster_size, uint32_t num_clusters,
+                            cudaStream_t stream) {
+  using KTraits = flashinfer::mla::hopper::HopperKernelTraits<
+      /*CAUSAL_=*/false, /*NUM_STAGES_=*/2, static_cast<uint32_t>(kLatentDim),
+      static_cast<uint32_t>(kRopeDim), static_cast<uint32_t>(kCtaTileQ),
+      static_cast<uint32_t>(kKvTile), typename Params::DTypeQ, typename Params::DTypeKV,
+      typename Params::DTypeO, typename Params::IdType>;
+  constexpr auto kKernel =
+      flashinfer::mla::hopper::BatchMLAPageAttentionHopperKernel<KTraits, Params>;
+  constexpr int kSmemBytes = static_cast<int>(sizeof(typename KTraits::SharedStorage));
+  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kSmemBytes>(); status != cudaSuccess) {
+    return status;
+  }
+  void* args[] = {const_cast<Params*>(&params)};
+  return cudaLaunchCooperativeKernel(reinterpret_cast<void*>(kKernel),
+                                     dim3(cluster_size, num_clusters), dim3(KTraits::NUM_THREADS),
+                                     args, kSmemBytes, stream);
 }
 
 // DTypeKV: nv_bfloat16 or __nv_fp8_e4m3; kKvType: the matching XLA element type, checked at run
@@ -155,11 +183,8 @@ ffi::Error Sm90Decode(cudaStream_t stream,
   params.ckv_scale_arr = nullptr;
   params.return_lse_base_on_e = lse_base_e;
 
-  const cudaError_t status =
-      flashinfer::mla::BatchMLAPageAttentionHopper<flashinfer::MaskMode::kNone, kLatentDim,
-                                                   kRopeDim>(
-          params, static_cast<uint32_t>(cluster_size), static_cast<uint32_t>(num_clusters),
-          stream);
+  const cudaError_t status = LaunchHopperMla(params, static_cast<uint32_t>(cluster_size),
+                                             static_cast<uint32_t>(num_clusters), stream);
   if (status != cudaSuccess) {
     return ffi::Error::Internal(std::string("sm90 MLA launch: ") + cudaGetErrorString(status));
   }

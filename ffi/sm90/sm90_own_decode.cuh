@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/launch.h"
 #include "sm90/sm90_fp8_kernel.cuh"
-#include "sm90/sm90_launch.h"
 #include "sm90/sm90_merge_splits.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,7 +23,7 @@ namespace ffi = xla::ffi;
 // splits gather the same rows close in time.
 template <auto kKernel, int kHeadsPerCta, int kThreadsPerCta, int kSmemBytes, int kClusterSize = 1>
 cudaError_t LaunchDecodeKernel(const DecodeParams& params, cudaStream_t stream) {
-  if (cudaError_t status = sm90::RaiseSharedMemoryLimit<kKernel, kSmemBytes>();
+  if (cudaError_t status = RaiseSharedMemoryLimit<kKernel, kSmemBytes>();
       status != cudaSuccess) {
     return status;
   }
