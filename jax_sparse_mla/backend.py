@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from . import _validation as v
 from .kernels import registry
 from .ops.attention import sparse_mla_decode
+from .ops.ds_mla_workspace import bf16_workspace, use_bf16_workspace
 from .ops.index_conversion import convert_req_index_to_global_index, filter_and_convert_dcp_index
 from .ops.metadata import FlashInferMLASparseMetadata, FlashInferMLASparseMetadataBuilder
 
@@ -533,9 +534,15 @@ class FlashInferMLASparseImpl:
                 req_ids, block_table, topk_indices,
                 block_size=attn_metadata.block_size)
             valid_counts = None
+        cache, kv_cache_dtype = kv_c_and_k_pe_cache, self.kv_cache_dtype
+        if self.dcp_world_size == 1 and use_bf16_workspace(
+                cache, block_table, num_tokens=num_tokens, num_heads=q.shape[1],
+                topk=topk_indices.shape[1], q_dtype=q.dtype, implementation=self.implementation):
+            cache, physical = bf16_workspace(cache, block_table, req_ids, topk_indices, physical)
+            kv_cache_dtype = "bfloat16"
         out, lse = sparse_mla_decode(
-            q, kv_c_and_k_pe_cache, physical, scale=self.scale, valid_counts=valid_counts,
-            kv_cache_dtype=self.kv_cache_dtype, q_scale=q_scale, k_scale=k_scale,
+            q, cache, physical, scale=self.scale, valid_counts=valid_counts,
+            kv_cache_dtype=kv_cache_dtype, q_scale=q_scale, k_scale=k_scale,
             lse_base="e" if self.lse_base_on_e else "2", implementation=self.implementation)
         # Every registered kernel already returns out = 0, lse = -inf for rows with no valid index (the
         # seed masks after its kernel because TRTLLM-gen leaves such rows undefined).

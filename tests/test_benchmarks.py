@@ -232,3 +232,13 @@ def test_bench_mixed_step_smoke(tmp_path):
     for step in ("decode", "chunk", "mixed"):
         assert row[step]["us"] > 0 and row[step]["calls"] == 1
     assert row["apart"]["us"] == row["decode"]["us"] + row["chunk"]["us"]
+
+
+def test_bench_ds_mla_workspace_smoke():
+    """bench_ds_mla_workspace's two routes at a tiny shape in pure JAX: they agree and it runs."""
+    result = subprocess.run([sys.executable, "-P", os.path.join(BENCHMARKS, "bench_ds_mla_workspace.py"),
+                             "--smoke"], capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                filter(None, [BENCHMARKS, os.environ.get("PYTHONPATH")]))))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "smoke OK" in result.stdout
