@@ -3,7 +3,7 @@ prefill (ragged logits over a chunk of query rows, their top-k), beside pure JAX
 
 Run: python benchmarks/bench_indexer.py [--out benchmarks/results] [--batch 1 32 128]
      [--context 8192 65536 131072] [--prefill-keys 8192 65536 131072]
-     [--backends native auto xla torch]
+     [--backends native auto xla torch] [--cub [--cub-calls 50] [--cub-arch sm_90a]]
      [--smoke]
 
 Decode, for B in {1, 32, 128} x context L in {8192, 65536, 131072} (every request of length L,
@@ -18,6 +18,17 @@ next_n = 1, H = 64, k = 2048):
           SM90 kernel's two builds called by name (`sm90_topk`, the register build, and
           `sm90_topk_stream`, the build that streams rows through shared memory): beside "native"
           (the cluster form) they show where "auto"'s shape rule comes from
+  cub     with --cub, beside the topk rows: CUB's batched top-k (cub::DeviceBatchedTopK, CCCL 3.6,
+          what FlashInfer's top_k runs for fp32 rows at most of these shapes) on rows of the same
+          B x L, k = 2048, in its two modes: "cub" (FlashInfer's default: ties unspecified) and
+          "cub_lower" (deterministic, ties to the lower position: our set, unsorted). The benchmark
+          compiles benchmarks/cub_topk.cu with nvcc against the CCCL headers of FlashInfer's data/
+          folder (FLASHINFER_DATA_DIR, else found or fetched as ffi/flashinfer_headers.py does for
+          the build) into a temporary folder and runs it per decode point: normal fp32 rows, lengths
+          read on the device, --cub-calls calls in one CUDA graph over 4 inputs, timed with CUDA
+          events (per-call time of the graph, median of 7 replays), the selected set checked against
+          a host top-k. Without nvcc or the headers it says so and skips CUB. Never imported by, and
+          no dependency of, the package.
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
           "xla"
   GB/s counts the bytes the op must move at least: logits the fp8 keys, 132 bytes per cached token
@@ -45,7 +56,12 @@ and tflops). A backend that cannot run (no SM90 GPU, no extension, no torch) is 
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
 import os
+import shutil
+import subprocess
+import tempfile
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")  # leave room for torch
@@ -148,6 +164,178 @@ def torch_topk_seconds(score_sets, repeats):
 
 def skipped(log, what, error):
     log(f"  {what}: skipped ({str(error)[:200]})")
+
+
+# ---- CUB's batched top-k (benchmarks/cub_topk.cu, --cub) -------------------------------------------
+# A standalone CUDA program, built here with nvcc; nothing of it is part of the package.
+CUB_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cub_topk.cu")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# cub_topk's mode name -> the backend name of its rows.
+CUB_BACKENDS = {"default": "cub", "ties_to_lower": "cub_lower"}
+CUB_INT_FIELDS = ("rows", "width", "k", "calls", "ws_bytes")
+CUB_FLOAT_FIELDS = ("us", "min_us", "max_us")
+
+
+class CubUnavailable(Exception):
+    """nvcc or the CCCL headers are missing, or cub_topk.cu did not build: CUB is skipped."""
+
+
+def find_nvcc():
+    """nvcc: $NVCC, the PATH, $CUDA_HOME / $CUDA_PATH, /usr/local/cuda; None when none is found."""
+    candidates = [os.environ.get("NVCC"), shutil.which("nvcc")]
+    candidates += [os.path.join(root, "bin", "nvcc")
+                   for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda")
+                   if root]
+    return next((c for c in candidates if c and os.path.isfile(c) and os.access(c, os.X_OK)), None)
+
+
+def _flashinfer_headers_module():
+    """ffi/flashinfer_headers.py of this checkout (loaded by path: ffi/ is no package), or None."""
+    path = os.path.join(REPO, "ffi", "flashinfer_headers.py")
+    if not os.path.isfile(path):
+        return None
+    spec = importlib.util.spec_from_file_location("flashinfer_headers", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def flashinfer_data_dir():
+    """FlashInfer's data/ folder (cccl/ under it), found as the native build finds it:
+    $FLASHINFER_DATA_DIR, else ffi/flashinfer_headers.py's fetch (the installed pinned
+    flashinfer-python, a build folder's unpacked copy of it, or the wheel unpacked into
+    ~/.cache/jax-sparse-mla/flashinfer through pip). Raises CubUnavailable."""
+    data = os.environ.get("FLASHINFER_DATA_DIR")
+    if not data:
+        headers = _flashinfer_headers_module()
+        if headers is None:
+            raise CubUnavailable("set FLASHINFER_DATA_DIR (no ffi/flashinfer_headers.py beside "
+                                 "the benchmarks)")
+        version = headers.FLASHINFER_VERSION
+        # Build folders that hold the pinned version already (their VERSION stamp; no pip), then
+        # a cache folder of our own (pip download, which fails cleanly offline).
+        destinations = [d for d in sorted(glob.glob(os.path.join(REPO, "build", "*", "flashinfer")))
+                        if _read(os.path.join(d, "VERSION")) == version]
+        destinations.append(os.path.join(os.path.expanduser("~"), ".cache", "jax-sparse-mla", "flashinfer"))
+        errors = []
+        for destination in destinations:
+            try:
+                os.makedirs(destination, exist_ok=True)
+                data = str(headers.fetch(headers.pathlib.Path(destination).resolve(), version))
+                break
+            except (headers.FetchError, OSError) as error:
+                errors.append(str(error).strip().splitlines()[0] if str(error).strip() else repr(error))
+        else:
+            raise CubUnavailable("FlashInfer's headers could not be found or fetched "
+                                 f"({'; '.join(errors)}); set FLASHINFER_DATA_DIR")
+    header = os.path.join(data, "cccl", "cub", "cub", "device", "device_batched_topk.cuh")
+    if not os.path.isfile(header):
+        raise CubUnavailable(f"no cub::DeviceBatchedTopK under {data} ({header} is missing)")
+    return data
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def cub_compile_command(nvcc, data, output, arch="sm_90a"):
+    """The nvcc command line that builds cub_topk.cu against the CCCL headers of FlashInfer's
+    data/ folder `data`."""
+    cccl = os.path.join(data, "cccl")
+    return [nvcc, "-O3", "-std=c++20", f"-arch={arch}", "--expt-relaxed-constexpr", "--extended-lambda",
+            "-I" + os.path.join(cccl, "cub"), "-I" + os.path.join(cccl, "libcudacxx", "include"),
+            "-I" + os.path.join(cccl, "thrust"), "-o", output, CUB_SOURCE]
+
+
+def build_cub(directory, log, arch="sm_90a"):
+    """Compiles cub_topk.cu into `directory`; its path. Raises CubUnavailable."""
+    nvcc = find_nvcc()
+    if nvcc is None:
+        raise CubUnavailable("no nvcc (set NVCC or CUDA_HOME, or put nvcc on the PATH)")
+    data = flashinfer_data_dir()
+    binary = os.path.join(directory, "cub_topk")
+    command = cub_compile_command(nvcc, data, binary, arch)
+    log(f"building CUB's batched top-k: {' '.join(command)}")
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as error:
+        raise CubUnavailable(f"nvcc ran past {error.timeout:.0f} s") from None
+    if result.returncode != 0:
+        raise CubUnavailable(f"nvcc failed ({result.returncode}): {(result.stderr or result.stdout)[-1500:]}")
+    log(f"  built in {time.perf_counter() - start:.0f} s")
+    return binary
+
+
+def parse_cub_line(line):
+    """One result line of cub_topk ("cub_topk mode=... rows=... us=... check=ok ...") as a dict
+    (numbers converted, `backend` added), or None for any other line."""
+    words = line.split()
+    if not words or words[0] != "cub_topk":
+        return None
+    fields = dict(word.split("=", 1) for word in words[1:] if "=" in word)
+    if "mode" not in fields or "us" not in fields:
+        return None
+    for name in CUB_INT_FIELDS:
+        if name in fields:
+            fields[name] = int(fields[name])
+    for name in CUB_FLOAT_FIELDS:
+        if name in fields:
+            fields[name] = float(fields[name])
+    fields["backend"] = CUB_BACKENDS.get(fields["mode"], "cub_" + fields["mode"])
+    return fields
+
+
+def run_cub(binary, batch, context, calls):
+    """cub_topk's rows (parse_cub_line) for B x L rows, k = TOP_K, both modes. Raises
+    RuntimeError when it fails (a check failing still gives its rows, check=FAIL)."""
+    command = [binary, "-k", str(TOP_K), "--calls", str(calls), "--inputs", str(DECODE_SETS),
+               f"{batch}x{context}"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    rows = [row for row in map(parse_cub_line, result.stdout.splitlines()) if row is not None]
+    if result.returncode not in (0, 3) or not rows:
+        raise RuntimeError(f"{' '.join(command)} exited {result.returncode}: "
+                           f"{(result.stderr or result.stdout)[-500:]}")
+    return rows
+
+
+def bench_cub(batch, context, cub, record):
+    """CUB's rows at one decode point, beside ours: cub = (binary, calls)."""
+    binary, calls = cub
+    nbytes = batch * context * 4 + batch * TOP_K * 4
+    try:
+        rows = run_cub(binary, batch, context, calls)
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+        skipped(record.log, "cub", error)
+        return
+    for row in rows:
+        spread = (row["max_us"] - row["min_us"]) / row["us"] if row.get("max_us") and row["us"] else None
+        record.add(f"{'topk':14s} {row['backend']:9s} B={batch:4d} L={context:6d}",
+                   dict(us=row["us"], spread=spread), nbytes, op="topk", backend=row["backend"],
+                   B=batch, context=context, cub_mode=row["mode"], check=row.get("check"),
+                   timing="cuda_graph_events", ws_bytes=row.get("ws_bytes"))
+        if row.get("check") != "ok":
+            record.log(f"    cub {row['mode']}: the selected set differs from the host top-k "
+                       f"(check={row.get('check')})")
+
+
+def topk_table(rows, log):
+    """The decode top-k rows side by side: one line per B x L, one column per backend (us)."""
+    topk = [r for r in rows if r.get("op") == "topk"]
+    backends = list(dict.fromkeys(r["backend"] for r in topk))
+    if not topk:
+        return
+    log("top-k per call (us), decode:")
+    log("  " + f"{'B x L':>14s}" + "".join(f" {b:>10s}" for b in backends))
+    for shape in dict.fromkeys((r["B"], r["context"]) for r in topk):
+        cells = {r["backend"]: r["us"] for r in topk if (r["B"], r["context"]) == shape}
+        text = "".join(f" {cells[b]:10.1f}" if cells.get(b) is not None else f" {'-':>10s}"
+                       for b in backends)
+        log(f"  {shape[0]:>5d} x {shape[1]:6d}{text}")
 
 
 def bench_decode(batch, context, backends, calls, timer, record):
@@ -292,6 +480,12 @@ def main(argv=None):
     parser.add_argument("--backends", nargs="+", default=["native", "xla", "torch"],
                         choices=["native", "auto", "xla", "torch", *TOPK_BY_NAME])
     parser.add_argument("--calls", type=int, default=20, help="timed calls per decode row")
+    parser.add_argument("--cub", action="store_true",
+                        help="also time CUB's batched top-k (benchmarks/cub_topk.cu, built with nvcc) "
+                             "at every decode point, both modes; skipped without nvcc or the headers")
+    parser.add_argument("--cub-calls", type=int, default=50,
+                        help="CUB calls per CUDA graph (per-call time = graph time / calls)")
+    parser.add_argument("--cub-arch", default="sm_90a", help="nvcc -arch for cub_topk.cu")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, pure JAX only, writes nothing (CPU is fine)")
     args = parser.parse_args(argv)
@@ -306,9 +500,20 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     record = records.Recorder(print, records.result_path(args.out, "indexer"),
                               records.run_header(peak_gbps, peak_tflops_fp8=peak_fp8), peak_gbps)
-    for batch in args.batch:
-        for context in args.context:
-            bench_decode(batch, context, args.backends, args.calls, device_times, record)
+    with tempfile.TemporaryDirectory(prefix="cub_topk_") as cub_dir:
+        cub = None
+        if args.cub:
+            try:
+                cub = (build_cub(cub_dir, print, args.cub_arch), args.cub_calls)
+            except CubUnavailable as error:
+                print(f"CUB's batched top-k: skipped ({error})")
+        for batch in args.batch:
+            for context in args.context:
+                bench_decode(batch, context, args.backends, args.calls, device_times, record)
+                if cub is not None:  # CUB's rows right after ours at the same point
+                    bench_cub(batch, context, cub, record)
+        if cub is not None:
+            topk_table(record.rows, print)
     for num_keys in args.prefill_keys:
         bench_prefill(num_keys, args.backends, device_times, record, args.xla_prefill_max_keys)
     elapsed = time.perf_counter() - start

@@ -13,13 +13,19 @@ import pytest
 BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
-def test_bench_indexer_smoke():
-    result = subprocess.run([sys.executable, "-P", os.path.join(BENCHMARKS, "bench_indexer.py"),
-                             "--smoke"], capture_output=True, text=True, timeout=600,
+def run_benchmark(script: str, *args: str) -> str:
+    """Runs benchmarks/<script> as the README runs it (-P, benchmarks/ on PYTHONPATH, the installed
+    package); returns its stdout after checking it exited 0."""
+    result = subprocess.run([sys.executable, "-P", os.path.join(BENCHMARKS, script), *args],
+                            capture_output=True, text=True, timeout=600,
                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(
                                 filter(None, [BENCHMARKS, os.environ.get("PYTHONPATH")]))))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "smoke OK" in result.stdout
+    return result.stdout
+
+
+def test_bench_indexer_smoke():
+    assert "smoke OK" in run_benchmark("bench_indexer.py", "--smoke")
 
 
 def _benchmark_module(name):
@@ -218,14 +224,9 @@ def test_bench_mixed_step_smoke(tmp_path):
     decode, chunk and mixed rows and their sum apart."""
     import json
 
-    result = subprocess.run(
-        [sys.executable, "-P", os.path.join(BENCHMARKS, "bench_mixed_step.py"), "--preset", "tiny",
-         "--decodes", "2", "--context", "200", "--chunk", "64", "--layers", "1", "--calls", "1",
-         "--kv-cache-dtypes", "auto", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-            filter(None, [BENCHMARKS, os.environ.get("PYTHONPATH")]))))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    run_benchmark("bench_mixed_step.py", "--preset", "tiny", "--decodes", "2", "--context", "200",
+                  "--chunk", "64", "--layers", "1", "--calls", "1", "--kv-cache-dtypes", "auto",
+                  "--out", str(tmp_path))
     (path,) = tmp_path.glob("mixed_step_*.json")
     (row,) = json.load(open(path))["rows"]
     assert row["decodes"] == 2 and row["kv_cache_dtype"] == "auto"
@@ -236,9 +237,73 @@ def test_bench_mixed_step_smoke(tmp_path):
 
 def test_bench_ds_mla_workspace_smoke():
     """bench_ds_mla_workspace's two routes at a tiny shape in pure JAX: they agree and it runs."""
-    result = subprocess.run([sys.executable, "-P", os.path.join(BENCHMARKS, "bench_ds_mla_workspace.py"),
-                             "--smoke"], capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-                                filter(None, [BENCHMARKS, os.environ.get("PYTHONPATH")]))))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    assert "smoke OK" in result.stdout
+    assert "smoke OK" in run_benchmark("bench_ds_mla_workspace.py", "--smoke")
+
+
+# ---- CUB's batched top-k beside ours (bench_indexer.py --cub, benchmarks/cub_topk.cu) -------------
+
+_CUB_LINES = (
+    "cub_topk mode=default rows=32 width=65536 k=2048 us=23.610 min_us=23.580 max_us=23.660 calls=50 "
+    "check=ok ws_bytes=1\n"
+    "cub_topk mode=ties_to_lower rows=32 width=65536 k=2048 us=23.810 min_us=23.790 max_us=23.880 "
+    "calls=50 check=FAIL ws_bytes=1\n")
+
+
+def test_cub_result_lines_are_parsed():
+    bench = _benchmark_module("bench_indexer")
+    row = bench.parse_cub_line(_CUB_LINES.splitlines()[1])
+    assert row == dict(mode="ties_to_lower", backend="cub_lower", rows=32, width=65536, k=2048,
+                       us=23.81, min_us=23.79, max_us=23.88, calls=50, check="FAIL", ws_bytes=1)
+    assert bench.parse_cub_line(_CUB_LINES.splitlines()[0])["backend"] == "cub"
+    assert bench.parse_cub_line("building CUB's batched top-k: nvcc ...") is None
+    assert bench.parse_cub_line("cub_topk: no shape given") is None
+
+
+def test_cub_rows_are_recorded_beside_ours(tmp_path):
+    """bench_cub runs the program (here a stand-in printing canned lines) and records one topk row
+    per mode, with its check; the side-by-side table shows them."""
+    bench = _benchmark_module("bench_indexer")
+    records = _benchmark_module("records")
+    fake = tmp_path / "cub_topk"
+    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\nprintf '%s' '"
+                    + _CUB_LINES + "'\nexit 3\n")
+    fake.chmod(0o755)
+    lines = []
+    record = records.Recorder(lines.append)
+    record.rows.append(dict(op="topk", backend="auto", B=32, context=65536, us=30.1))
+    bench.bench_cub(32, 65536, (str(fake), 50), record)
+    assert (tmp_path / "args").read_text().split() == ["-k", "2048", "--calls", "50", "--inputs", "4",
+                                                       "32x65536"]
+    cub = [r for r in record.rows if r["backend"].startswith("cub")]
+    assert [(r["backend"], r["cub_mode"], r["us"], r["check"]) for r in cub] == [
+        ("cub", "default", 23.61, "ok"), ("cub_lower", "ties_to_lower", 23.81, "FAIL")]
+    assert all(r["op"] == "topk" and r["B"] == 32 and r["context"] == 65536 for r in cub)
+    assert any("differs from the host top-k" in line for line in lines)
+    lines.clear()
+    bench.topk_table(record.rows, lines.append)
+    assert lines[1].split() == ["B", "x", "L", "auto", "cub", "cub_lower"]
+    assert lines[2].split() == ["32", "x", "65536", "30.1", "23.6", "23.8"]
+
+
+def test_cub_is_skipped_without_nvcc(monkeypatch, tmp_path):
+    bench = _benchmark_module("bench_indexer")
+    monkeypatch.setattr(bench, "find_nvcc", lambda: None)
+    with pytest.raises(bench.CubUnavailable, match="no nvcc"):
+        bench.build_cub(str(tmp_path), print)
+    monkeypatch.setenv("FLASHINFER_DATA_DIR", str(tmp_path))
+    with pytest.raises(bench.CubUnavailable, match="no cub::DeviceBatchedTopK"):
+        bench.flashinfer_data_dir()
+
+
+def test_cub_topk_compiles_for_sm90a(tmp_path):
+    """benchmarks/cub_topk.cu builds with nvcc for sm_90a against FlashInfer's CCCL headers, the
+    command bench_indexer.py --cub runs (compile only: no GPU needed)."""
+    bench = _benchmark_module("bench_indexer")
+    if bench.find_nvcc() is None:
+        pytest.skip("no nvcc")
+    try:
+        bench.flashinfer_data_dir()
+    except bench.CubUnavailable as error:
+        pytest.skip(f"no CCCL headers: {error}")
+    binary = bench.build_cub(str(tmp_path), print)
+    assert os.path.isfile(binary) and os.access(binary, os.X_OK)

@@ -1,0 +1,298 @@
+// CUB's batched top-k (cub::DeviceBatchedTopK, CCCL 3.6) timed at the indexer's decode shapes, for
+// benchmarks/bench_indexer.py --cub. A standalone program: it lives beside the benchmarks, is built by
+// them with nvcc from the CCCL headers in FlashInfer's data/ folder, and is never part of the package.
+//
+// It calls CUB the way FlashInfer 0.7.2's ragged transform does: fp32 rows read through a strided
+// iterator, per-row lengths read on the device (a deferred sequence), values = positions, keys
+// discarded, k immediate, unsorted output. Two requirement sets ("modes"):
+//   default        FlashInfer's: determinism::not_guaranteed, tie_break::unspecified
+//   ties_to_lower  determinism::gpu_to_gpu, tie_break::prefer_smaller_index (our selection rule,
+//                  without our ascending order)
+//
+// Timing: one CUDA graph of --calls calls over --inputs distinct inputs (input i = input 0 * 2^i: the
+// same order, every mantissa bit kept), replayed --reps times and timed with CUDA events; reported per
+// call: the median, min and max over the replays.
+// Check: before and after the timing, the output set of the first --check-rows rows against a host
+// top-k: in ties_to_lower mode the set of positions must equal the host's (ties to the lower
+// position); in default mode (ties unspecified) the selected values must equal the k largest values
+// as a multiset, with distinct in-range positions.
+//
+// Usage: cub_topk [-k 2048] [--calls 50] [--inputs 4] [--reps 7] [--check-rows 4] [--seed 1234]
+//                 ROWSxWIDTH [ROWSxWIDTH ...]
+// Output, one line per (shape, mode), machine-readable (space-separated key=value after the tag):
+//   cub_topk mode=default rows=32 width=65536 k=2048 us=23.61 min_us=23.58 max_us=23.66 calls=50
+//            check=ok ws_bytes=1
+// Exit status: 0, or 3 when a check failed (every line is still printed), or 1 on a CUDA/usage error.
+//
+// Build (FI: FlashInfer's data/ folder):
+//   nvcc -O3 -std=c++20 -arch=sm_90a --expt-relaxed-constexpr --extended-lambda \
+//        -I$FI/cccl/cub -I$FI/cccl/libcudacxx/include -I$FI/cccl/thrust -o cub_topk cub_topk.cu
+#define CUB_DISABLE_TOPK_UNSUPPORTED_ARCH_ASSERT
+#include <cuda/__execution/determinism.h>
+#include <cuda/__execution/output_ordering.h>
+#include <cuda/__execution/require.h>
+#include <cuda/__execution/tie_break.h>
+#include <cuda/std/__execution/env.h>
+#include <cub/device/device_batched_topk.cuh>
+#include <cuda/argument>
+#include <cuda/iterator>
+#include <cuda/std/limits>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+void check_cuda(cudaError_t status, const char* what, int line) {
+  if (status != cudaSuccess) {
+    std::fprintf(stderr, "cub_topk: %s failed at line %d: %s\n", what, line, cudaGetErrorString(status));
+    std::exit(1);
+  }
+}
+#define CUDA_OK(call) check_cuda((call), #call, __LINE__)
+
+// The output row of segment `row`: k positions per row, rows packed.
+struct RowOutput {
+  int32_t* base;
+  int64_t k;
+  __host__ __device__ int32_t* operator()(int64_t row) const { return base + row * k; }
+};
+
+// One DeviceBatchedTopK::MaxPairs call (or the workspace query, when workspace is null), as FlashInfer
+// issues it: `rows` segments of `width` fp32 keys at a stride of `width`, lengths read from `lengths`
+// on the device, values = positions 0, 1, ... in each row, keys not written.
+template <typename Requirements>
+cudaError_t batched_topk(void* workspace, size_t& workspace_bytes, const float* scores, int32_t* positions,
+                         const int32_t* lengths, int64_t rows, int64_t width, int64_t k,
+                         Requirements requirements, cudaStream_t stream) {
+  constexpr int64_t kMaxSegment = int64_t{1} << 21;  // the largest row length (and k) we promise CUB
+  constexpr int32_t kLowest = cuda::std::numeric_limits<int32_t>::min();
+  auto env = cuda::std::execution::env{requirements, cuda::stream_ref{stream}};
+  auto keys_in = cuda::make_strided_iterator(cuda::make_counting_iterator(scores), width);
+  auto keys_out = cuda::make_constant_iterator(cuda::discard_iterator{});
+  auto values_in = cuda::make_constant_iterator(cuda::make_counting_iterator(int32_t{0}));
+  auto values_out = cuda::make_transform_iterator(cuda::make_counting_iterator(int64_t{0}), RowOutput{positions, k});
+  auto segment_sizes = cuda::args::deferred_sequence{lengths, cuda::args::bounds<kLowest, int32_t{kMaxSegment}>(),
+                                                     cuda::args::bounds(kLowest, static_cast<int32_t>(width))};
+  auto k_arg = cuda::args::immediate{k, cuda::args::bounds<int64_t{1}, kMaxSegment>()};
+  auto num_segments = cuda::args::immediate{rows};
+  return cub::DeviceBatchedTopK::MaxPairs(workspace, workspace_bytes, keys_in, keys_out, values_in, values_out,
+                                          segment_sizes, k_arg, num_segments, env);
+}
+
+struct Options {
+  int64_t k = 2048;
+  int calls = 50;
+  int inputs = 4;
+  int reps = 7;
+  int64_t check_rows = 4;
+  unsigned seed = 1234;
+  std::vector<std::pair<int64_t, int64_t>> shapes;  // (rows, width)
+};
+
+// The host reference of one row: its top-k positions, ties to the lower position.
+std::vector<int32_t> host_topk(const float* row, int64_t width, int64_t k) {
+  std::vector<int32_t> order(width);
+  for (int64_t i = 0; i < width; ++i) order[i] = static_cast<int32_t>(i);
+  auto before = [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
+  std::nth_element(order.begin(), order.begin() + (k - 1), order.end(), before);
+  order.resize(k);
+  return order;
+}
+
+// Whether `got` (k positions of one row) is a correct selection for `want` (the host's).
+bool selection_ok(const float* row, int64_t width, std::vector<int32_t> got, std::vector<int32_t> want,
+                  bool ties_to_lower) {
+  std::sort(got.begin(), got.end());
+  if (std::adjacent_find(got.begin(), got.end()) != got.end()) return false;  // a position twice
+  if (got.front() < 0 || got.back() >= width) return false;
+  if (ties_to_lower) {
+    std::sort(want.begin(), want.end());
+    return got == want;
+  }
+  // Ties unspecified: any k positions holding the k largest values (as a multiset) will do.
+  std::vector<float> got_values, want_values;
+  for (int32_t i : got) got_values.push_back(row[i]);
+  for (int32_t i : want) want_values.push_back(row[i]);
+  std::sort(got_values.begin(), got_values.end());
+  std::sort(want_values.begin(), want_values.end());
+  return got_values == want_values;
+}
+
+struct Result {
+  float median_us, min_us, max_us;
+  bool check_ok;
+  size_t workspace_bytes;
+};
+
+template <typename Requirements>
+Result bench_mode(Requirements requirements, bool ties_to_lower, const Options& opt, int64_t rows, int64_t width,
+                  const std::vector<float>& host_scores, const std::vector<float*>& inputs,
+                  const std::vector<std::vector<int32_t>>& reference, int32_t* positions, const int32_t* lengths,
+                  cudaStream_t stream) {
+  const int64_t k = opt.k;
+  size_t workspace_bytes = 0;
+  CUDA_OK(batched_topk(nullptr, workspace_bytes, inputs[0], positions, lengths, rows, width, k, requirements, stream));
+  void* workspace = nullptr;
+  CUDA_OK(cudaMalloc(&workspace, std::max<size_t>(workspace_bytes, 1)));
+
+  // The output of the last call is compared with the host's top-k of input 0 (every input has its order).
+  auto check = [&]() {
+    CUDA_OK(cudaStreamSynchronize(stream));
+    const int64_t checked = std::min(rows, opt.check_rows);
+    std::vector<int32_t> out(checked * k);
+    CUDA_OK(cudaMemcpy(out.data(), positions, out.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    for (int64_t r = 0; r < checked; ++r) {
+      std::vector<int32_t> got(out.begin() + r * k, out.begin() + (r + 1) * k);
+      if (!selection_ok(host_scores.data() + r * width, width, got, reference[r], ties_to_lower)) return false;
+    }
+    return true;
+  };
+
+  CUDA_OK(cudaMemsetAsync(positions, 0xff, rows * k * sizeof(int32_t), stream));
+  CUDA_OK(batched_topk(workspace, workspace_bytes, inputs[0], positions, lengths, rows, width, k, requirements,
+                       stream));
+  bool ok = check();
+
+  // One graph of opt.calls calls, rotating over the inputs.
+  cudaGraph_t graph;
+  cudaGraphExec_t graph_exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int c = 0; c < opt.calls; ++c)
+    CUDA_OK(batched_topk(workspace, workspace_bytes, inputs[c % inputs.size()], positions, lengths, rows, width, k,
+                         requirements, stream));
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
+
+  cudaEvent_t start, stop;
+  CUDA_OK(cudaEventCreate(&start));
+  CUDA_OK(cudaEventCreate(&stop));
+  CUDA_OK(cudaGraphLaunch(graph_exec, stream));  // warm-up
+  CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<float> per_call_us;
+  for (int rep = 0; rep < opt.reps; ++rep) {
+    CUDA_OK(cudaEventRecord(start, stream));
+    CUDA_OK(cudaGraphLaunch(graph_exec, stream));
+    CUDA_OK(cudaEventRecord(stop, stream));
+    CUDA_OK(cudaEventSynchronize(stop));
+    float ms = 0.f;
+    CUDA_OK(cudaEventElapsedTime(&ms, start, stop));
+    per_call_us.push_back(ms * 1000.f / opt.calls);
+  }
+  ok = check() && ok;  // the graph's last call
+  std::sort(per_call_us.begin(), per_call_us.end());
+
+  CUDA_OK(cudaEventDestroy(start));
+  CUDA_OK(cudaEventDestroy(stop));
+  CUDA_OK(cudaGraphExecDestroy(graph_exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaFree(workspace));
+  return Result{per_call_us[per_call_us.size() / 2], per_call_us.front(), per_call_us.back(), ok, workspace_bytes};
+}
+
+// Both modes at one shape; returns false when a check failed.
+bool bench_shape(const Options& opt, int64_t rows, int64_t width) {
+  namespace ex = cuda::execution;
+  const int64_t k = opt.k;
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  // Input 0: normal fp32 scores; input i: input 0 * 2^i.
+  std::mt19937 generator(opt.seed);
+  std::normal_distribution<float> normal;
+  std::vector<float> host_scores(rows * width);
+  for (float& x : host_scores) x = normal(generator);
+  std::vector<float*> inputs(opt.inputs);
+  std::vector<float> scaled(host_scores.size());
+  for (int i = 0; i < opt.inputs; ++i) {
+    const float scale = std::ldexp(1.0f, i);
+    for (size_t j = 0; j < scaled.size(); ++j) scaled[j] = host_scores[j] * scale;
+    CUDA_OK(cudaMalloc(&inputs[i], scaled.size() * sizeof(float)));
+    CUDA_OK(cudaMemcpy(inputs[i], scaled.data(), scaled.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  int32_t* positions;
+  int32_t* lengths;
+  CUDA_OK(cudaMalloc(&positions, rows * k * sizeof(int32_t)));
+  CUDA_OK(cudaMalloc(&lengths, rows * sizeof(int32_t)));
+  std::vector<int32_t> host_lengths(rows, static_cast<int32_t>(width));  // every row whole
+  CUDA_OK(cudaMemcpy(lengths, host_lengths.data(), rows * sizeof(int32_t), cudaMemcpyHostToDevice));
+
+  std::vector<std::vector<int32_t>> reference;
+  for (int64_t r = 0; r < std::min(rows, opt.check_rows); ++r)
+    reference.push_back(host_topk(host_scores.data() + r * width, width, k));
+
+  auto report = [&](const char* mode, const Result& res) {
+    std::printf("cub_topk mode=%s rows=%lld width=%lld k=%lld us=%.3f min_us=%.3f max_us=%.3f calls=%d check=%s "
+                "ws_bytes=%zu\n",
+                mode, static_cast<long long>(rows), static_cast<long long>(width), static_cast<long long>(k),
+                res.median_us, res.min_us, res.max_us, opt.calls, res.check_ok ? "ok" : "FAIL", res.workspace_bytes);
+    std::fflush(stdout);
+  };
+  const Result fast = bench_mode(
+      ex::require(ex::determinism::not_guaranteed, ex::tie_break::unspecified, ex::output_ordering::unsorted),
+      false, opt, rows, width, host_scores, inputs, reference, positions, lengths, stream);
+  report("default", fast);
+  const Result exact = bench_mode(
+      ex::require(ex::determinism::gpu_to_gpu, ex::tie_break::prefer_smaller_index, ex::output_ordering::unsorted),
+      true, opt, rows, width, host_scores, inputs, reference, positions, lengths, stream);
+  report("ties_to_lower", exact);
+
+  for (float* p : inputs) CUDA_OK(cudaFree(p));
+  CUDA_OK(cudaFree(positions));
+  CUDA_OK(cudaFree(lengths));
+  CUDA_OK(cudaStreamDestroy(stream));
+  return fast.check_ok && exact.check_ok;
+}
+
+[[noreturn]] void usage(const char* message) {
+  std::fprintf(stderr,
+               "cub_topk: %s\nusage: cub_topk [-k K] [--calls N] [--inputs N] [--reps N] [--check-rows N] "
+               "[--seed S] ROWSxWIDTH [ROWSxWIDTH ...]\n",
+               message);
+  std::exit(1);
+}
+
+Options parse(int argc, char** argv) {
+  Options opt;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> long long {
+      if (i + 1 >= argc) usage(("missing value after " + arg).c_str());
+      return std::atoll(argv[++i]);
+    };
+    if (arg == "-k" || arg == "--k") opt.k = value();
+    else if (arg == "--calls") opt.calls = static_cast<int>(value());
+    else if (arg == "--inputs") opt.inputs = static_cast<int>(value());
+    else if (arg == "--reps") opt.reps = static_cast<int>(value());
+    else if (arg == "--check-rows") opt.check_rows = value();
+    else if (arg == "--seed") opt.seed = static_cast<unsigned>(value());
+    else {
+      long long rows = 0, width = 0;
+      char tail = 0;
+      if (std::sscanf(arg.c_str(), "%lldx%lld%c", &rows, &width, &tail) != 2 || rows < 1 || width < 1)
+        usage(("not a shape ROWSxWIDTH: " + arg).c_str());
+      opt.shapes.emplace_back(rows, width);
+    }
+  }
+  if (opt.shapes.empty()) usage("no shape given");
+  if (opt.calls < 1 || opt.inputs < 1 || opt.inputs > 24 || opt.reps < 1 || opt.k < 1) usage("bad option value");
+  for (auto [rows, width] : opt.shapes)
+    if (width < opt.k || width > (int64_t{1} << 21)) usage("every width must be in [k, 2^21]");
+  return opt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options opt = parse(argc, argv);
+  bool all_ok = true;
+  for (auto [rows, width] : opt.shapes) all_ok = bench_shape(opt, rows, width) && all_ok;
+  return all_ok ? 0 : 3;
+}
