@@ -44,7 +44,9 @@ import jax_sparse_mla as jsm
 from jax_sparse_mla.flax import PRESETS, LayerCache, MLAConfig, MLASparseAttention, empty_layer_cache
 from jax_sparse_mla.flax import hf_config
 from jax_sparse_mla.flax.layers import INDEXER_OPS
+from jax_sparse_mla.kernels import registry
 from jax_sparse_mla.kernels.registry import IMPLEMENTATIONS, registered_op_kernels
+from jax_sparse_mla.ops.ds_mla_workspace import use_bf16_workspace
 from jax_sparse_mla.ops.kv_cache import dequantize_ds_mla_rows
 
 BLOCK_SIZE = 64
@@ -84,6 +86,37 @@ def describe_indexer_implementations(flag: str) -> str:
         return "indexer: no indexer op has a native kernel; they all run pure JAX"
     return (f"indexer: {', '.join(pure)} run pure JAX (no native kernel exists for them); "
             f"the other indexer ops ({', '.join(native)}) {rest}")
+
+
+# --kv-cache-dtype -> (the kernel registry's cache layout, the query dtype the layer passes with it).
+_ATTENTION_LAYOUTS = {"auto": ("bfloat16", "bfloat16"), "fp8": ("fp8_e4m3", "float8_e4m3fn"),
+                      "fp8_ds_mla": ("fp8_ds_mla", "bfloat16")}
+
+
+def describe_attention(config: MLAConfig, kv_cache_dtype: str, implementation: str, layout,
+                       steps: Mapping[str, int]) -> str:
+    """One line: the sparse-attention kernel each kind of step runs here ({"decode": tokens, ...}),
+    as forward_mqa picks it (the registry's choice; an fp8_ds_mla prefill through the bf16 workspace)."""
+    kv_layout, q_dtype = _ATTENTION_LAYOUTS[kv_cache_dtype]
+    cache = jax.ShapeDtypeStruct((layout.num_blocks, BLOCK_SIZE, 656 if kv_layout == "fp8_ds_mla" else 576),
+                                 jnp.uint8 if kv_layout == "fp8_ds_mla" else jnp.bfloat16)
+    parts = []
+    for step, tokens in steps.items():
+        # A prefill chunk is a one-request view of the batch (chunk_metadata); a decode step all of it.
+        table = jax.ShapeDtypeStruct((1 if step == "prefill" else layout.batch,
+                                      layout.blocks_per_request), jnp.int32)
+        workspace = use_bf16_workspace(cache, table,
+                                       num_tokens=tokens, num_heads=config.num_heads,
+                                       topk=config.index_topk, q_dtype=jnp.dtype(q_dtype),
+                                       implementation=implementation)
+        problem = registry.Problem(num_tokens=tokens, num_heads=config.num_heads,
+                                   num_keys=config.index_topk, block_size=BLOCK_SIZE,
+                                   kv_layout="bfloat16" if workspace else kv_layout, q_dtype=q_dtype)
+        kernel = registry.select_kernel(problem.kv_layout, q_dtype, implementation, problem)
+        name = "pure JAX" if not kernel.native else kernel.name
+        parts.append(f"{step} steps of {tokens} tokens on {name}"
+                     + (" over a bf16 workspace of the fp8_ds_mla rows" if workspace else ""))
+    return "sparse attention: " + "; ".join(parts)
 
 
 class DecoderBlock(nnx.Module):
@@ -436,12 +469,16 @@ def main(argv=None) -> dict:
     if args.fill_context and not tiny:
         caches = fill_context(caches, layout, config, args.context, args.seed, args.kv_cache_dtype)
         tokens = jnp.asarray(rng.integers(0, args.vocab, args.batch), jnp.int32)
+        print(describe_attention(config, args.kv_cache_dtype, args.implementation, layout,
+                                 {"decode": args.batch}))
         print(f"context: {args.context} random latent rows and indexer keys per request written with "
               "concat_and_cache_mla and indexer_k_quant_and_cache (no prefill)")
     else:
         prompts = [rng.integers(0, args.vocab, n).astype(np.int32) for n in prompt_lens]
         # No chunk longer than the longest prompt needs (whole blocks).
         chunk = min(args.prefill_chunk, -(-int(prompt_lens.max()) // BLOCK_SIZE) * BLOCK_SIZE)
+        print(describe_attention(config, args.kv_cache_dtype, args.implementation, layout,
+                                 {"prefill": chunk, "decode": args.batch}))
         began = time.perf_counter()
         scalar = np.int32(0)
         prefill_step = make_prefill_step(graphdef, layout, config, chunk).lower(

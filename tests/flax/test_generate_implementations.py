@@ -181,3 +181,30 @@ def test_example_decoder_with_shared_indexer_layers(example):
     assert [b.attn.indexer is None for b in model.blocks] == [False, True, False]
     with pytest.raises(ValueError, match="the first 'full'"):
         example.Decoder(TINY, 2, 16, rngs=nnx.Rngs(0), indexer_types=("shared", "full"))
+
+
+def test_example_names_the_attention_kernel_of_each_step(example, monkeypatch):
+    """describe_attention as on an SM90 GPU (select_kernel answering with native kernels): a prefill
+    chunk over fp8_ds_mla goes through the bf16 workspace and asks for the bf16 kernel; a decode step
+    and a bf16 cache do not."""
+    from jax_sparse_mla.flax import DEEPSEEK_V32
+
+    asked = []
+
+    def select_kernel(kv_layout, q_dtype, implementation="auto", problem=None):
+        asked.append(kv_layout)
+        kernel = registry.SparseMLAKernel(name=f"native_{kv_layout}", native=True,
+                                          capability_majors=(9,), kv_layouts=(kv_layout,),
+                                          q_dtypes=(q_dtype,), fn=None)
+        return kernel
+
+    monkeypatch.setattr(registry, "select_kernel", select_kernel)
+    layout = example.PagedLayout(32, 65536 // example.BLOCK_SIZE)
+    line = example.describe_attention(DEEPSEEK_V32, "fp8_ds_mla", "auto", layout,
+                                      {"prefill": 8192, "decode": 32})
+    assert line == ("sparse attention: prefill steps of 8192 tokens on native_bfloat16 over a bf16 "
+                    "workspace of the fp8_ds_mla rows; decode steps of 32 tokens on native_fp8_ds_mla")
+    line = example.describe_attention(DEEPSEEK_V32, "auto", "auto", layout, {"prefill": 8192})
+    assert line == "sparse attention: prefill steps of 8192 tokens on native_bfloat16"
+    line = example.describe_attention(DEEPSEEK_V32, "fp8_ds_mla", "native", layout, {"prefill": 8192})
+    assert line == "sparse attention: prefill steps of 8192 tokens on native_fp8_ds_mla"
