@@ -183,8 +183,8 @@ def in_eager_shard_map(array) -> bool:
 
     JAX's eager shard_map returns zero-size outputs whose per-device shards disagree with their
     sharding: the result has the right shape but fails when read (seen with JAX 0.10.2; a jitted
-    shard_map is fine). JAX has no public test for an eager shard_map, so this reads the tracer's class name: a
-    JAX that renames it turns the check off (the JAX behaviour comes back) and
+    shard_map is fine). JAX has no public test for an eager shard_map, so this reads the tracer's
+    class name: a JAX that renames it turns the check off (the JAX behaviour comes back) and
     tests/test_bad_inputs_backend.py fails."""
     return isinstance(array, jax.core.Tracer) and type(array).__name__ == "ShardMapTracer"
 
