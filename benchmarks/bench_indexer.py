@@ -14,10 +14,10 @@ next_n = 1, H = 64, k = 2048):
           default --backends), "xla" (pure JAX)
   topk    top_k_per_row_decode on those logits: "native", "auto", "xla", "lax_top_k"
           (jax.lax.top_k(logits, 2048) alone, the bound the pure-JAX op is held to), "torch"
-          (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_stream, the one-CTA
-          SM90 kernel's two builds called by name (`sm90_topk`, the register build, and
-          `sm90_topk_stream`, the build that streams rows through shared memory): beside "native"
-          (the cluster form) they show where "auto"'s shape rule comes from
+          (torch.topk(logits, 2048)) and, with --backends one_cta / one_cta_stream / cluster, the
+          SM90 kernels called by name (`sm90_topk`, the one-CTA register build,
+          `sm90_topk_stream`, the one-CTA build that streams rows through shared memory, and
+          `sm90_topk_cluster`, one row per cluster): they show where "auto"'s shape rule comes from
   cub     with --cub, beside the topk rows: CUB's batched top-k (cub::DeviceBatchedTopK, CCCL 3.6,
           what FlashInfer's top_k runs for fp32 rows at most of these shapes) on rows of the same
           B x L, k = 2048, in its two modes: "cub" (FlashInfer's default: ties unspecified) and
@@ -87,7 +87,8 @@ PREFILL_SETS = 2
 PREFILL_CALLS = 6
 # Kernels the --backends of these names call by their registered name: top-k (decode rows) and
 # logits (decode and prefill).
-TOPK_BY_NAME = {"one_cta": "sm90_topk", "one_cta_stream": "sm90_topk_stream"}
+TOPK_BY_NAME = {"one_cta": "sm90_topk", "one_cta_stream": "sm90_topk_stream",
+                "cluster": "sm90_topk_cluster"}
 
 
 def registered(op, name):

@@ -91,24 +91,24 @@ void SetClusterSize(cudaLaunchConfig_t* config, cudaLaunchAttribute* attribute, 
   config->numAttrs = 1;
 }
 
-// The clusters of 1, 2, 4 and 8 CTAs of TopKClusterKernel that this device runs at once, asked of
+// The clusters of 1 .. kMaxClusterSize CTAs of TopKClusterKernel that this device runs at once, asked of
 // the occupancy calculator once per device (the kernel's shared-memory limit raised first); later
 // calls read the answer without a lock.
 cudaError_t MaxActiveClusters(ActiveClusters& active) {
-  static PerDevice<std::array<int, 4>> known;
+  static PerDevice<std::array<int, kMaxClusterSize>> known;
   int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  std::array<int, 4> counts{};
+  std::array<int, kMaxClusterSize> counts{};
   const cudaError_t status = known.Get(
       device, cudaSuccess,
-      [](int, std::array<int, 4>* found) {
-        for (int i = 0; i < 4; ++i) {
+      [](int, std::array<int, kMaxClusterSize>* found) {
+        for (int i = 0; i < kMaxClusterSize; ++i) {
           cudaLaunchConfig_t config = {};
           cudaLaunchAttribute attribute;
-          config.gridDim = dim3(static_cast<unsigned>(kMaxClusterSize));
+          config.gridDim = dim3(static_cast<unsigned>(i + 1));  // a multiple of the cluster
           config.blockDim = dim3(kThreads);
           config.dynamicSmemBytes = kMaxClusterDynamicBytes;
-          SetClusterSize(&config, &attribute, 1 << i);
+          SetClusterSize(&config, &attribute, i + 1);
           if (cudaError_t status =
                   cudaOccupancyMaxActiveClusters(&(*found)[i], TopKClusterKernel, &config);
               status != cudaSuccess) {
@@ -119,7 +119,7 @@ cudaError_t MaxActiveClusters(ActiveClusters& active) {
       },
       &counts);
   if (status != cudaSuccess) return status;
-  for (int i = 0; i < 4; ++i) active[i] = counts[i];
+  for (int i = 0; i < kMaxClusterSize; ++i) active[i] = counts[i];
   return cudaSuccess;
 }
 

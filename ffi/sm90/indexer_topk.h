@@ -8,7 +8,7 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRow);
 // top_k_per_row_decode: logits f32 [B * next_n, S], context_lens s32 [B] -> s32 [B * next_n, k].
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecode);
-// The same two ops with one thread-block cluster per row (rows of up to 327677 positions).
+// The same two ops with one thread-block cluster per row (rows of up to 360445 positions).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowCluster);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxSparseMlaSm90TopKPerRowDecodeCluster);
 // The same two ops on the one-CTA kernel's streaming build (one CTA per SM, the row streamed

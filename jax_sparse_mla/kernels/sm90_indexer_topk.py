@@ -53,11 +53,12 @@ TARGET_DECODE_STREAM = "jax_sparse_mla_sm90_top_k_per_row_decode_stream"
 # The kernel indexes rows with the grid's x dimension and holds positions, the width S and k as
 # int32 (the handler rejects anything larger).
 MAX_DIM = 2**31 - 1
-# The cluster form (ffi/sm90/indexer_topk_plan.h): up to kMaxClusterSize = 8 CTAs per row, each
-# holding at most kMaxClusterGroupsPerCta = 10240 float4 groups of keys; a row of S positions spans
-# up to ceil((S + 3) / 4) groups. Its grid has R x (up to 8) CTAs.
+# The cluster form (ffi/sm90/indexer_topk_plan.h): up to kMaxClusterSize = 8 CTAs per row (any
+# count, not only powers of two), each holding at most kMaxClusterGroupsPerCta = 11264 float4
+# groups of keys (176 KB); a row of S positions spans up to ceil((S + 3) / 4) groups. Its grid has
+# R x (up to 8) CTAs.
 MAX_CLUSTER_SIZE = 8
-CLUSTER_GROUPS_PER_CTA = 10240
+CLUSTER_GROUPS_PER_CTA = 11264
 MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * CLUSTER_GROUPS_PER_CTA * 4 - 3
 MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
 # Rows this wide or narrower: "auto" runs the one-CTA kernel's register build (device times on an
@@ -67,22 +68,20 @@ MAX_CLUSTER_ROWS = MAX_DIM // MAX_CLUSTER_SIZE
 ONE_CTA_MAX_WIDTH = 8192
 # Wider rows, at most this many, whose smallest clusters fill at most CLUSTER_SM_SHARE of the SMs:
 # "auto" runs the cluster form; other wide rows run the streaming build. Clusters are placed within
-# GPCs, so not every SM takes one: 32 rows of 131072 (clusters of at least 4 CTAs, 128 CTAs on 132
-# SMs) took two waves. One H100, one run, µs, cluster vs streaming build: 16 x 65536 19.8 vs 32.1,
-# 32 x 65536 29.9 vs 33.2, 48 x 65536 32.2 vs 33.9 (96 CTAs); 24 x 131072 32.1 vs 47.2 (96 CTAs),
-# 32 x 131072 51.8 vs 47.7 (128 CTAs).
+# GPCs, so not every SM takes one. One H100, one call, µs, cluster vs streaming build: 16 x 65536
+# 18.5 vs 32.1, 32 x 65536 24.5 vs 33.2, 48 x 65536 32.2 vs 33.8 (clusters of 2: 96 CTAs); 16 x
+# 131072 24.8 vs 44.2, 24 x 131072 32.2 vs 47.4; in a later call on the same card, 32 x 131072 43.7
+# (clusters of 3: 96 CTAs) vs 47.8, 40 x 131072 73.1 vs 48.3 (120 CTAs, two waves).
 CLUSTER_MAX_ROWS = 48
 CLUSTER_SM_SHARE = 0.75
 
 
 def min_cluster_size(width: int) -> int:
-    """The fewest CTAs (a power of two) whose shared memory holds a row of `width` positions: the
-    cluster the host plan (PlanCluster) starts from before it widens it within one wave."""
+    """The fewest CTAs whose shared memory holds a row of `width` positions (at most
+    MAX_CLUSTER_SIZE): the cluster the host plan (PlanCluster) takes where no wider one runs in one
+    wave."""
     groups = -(-(width + 3) // 4)
-    ctas = 1
-    while ctas < MAX_CLUSTER_SIZE and -(-groups // ctas) > CLUSTER_GROUPS_PER_CTA:
-        ctas *= 2
-    return ctas
+    return min(MAX_CLUSTER_SIZE, max(1, -(-groups // CLUSTER_GROUPS_PER_CTA)))
 
 
 def check_problem(problem: registry.IndexerProblem,

@@ -186,7 +186,7 @@ def adversarial_row(rng: np.random.Generator, case: int, width: int) -> np.ndarr
     return row
 
 
-@pytest.mark.parametrize("ctas", [1, 2, 4, 8])
+@pytest.mark.parametrize("ctas", [1, 2, 3, 4, 5, 7, 8])  # any width the plan may pick
 @pytest.mark.parametrize("lead", [0, 1, 3])
 @pytest.mark.parametrize("width,k", [(5000, 2048), (20001, 2048), (2049, 2048), (37, 5),
                                      (65536, 2048), (9, 1)])
@@ -240,7 +240,8 @@ int main() {
     jax_sparse_mla::indexer_topk::ClusterPlan plan{0, 0};
     // As many clusters of C at once as SMs / C hold (the GPU's occupancy calculator, on an ideal
     // part).
-    const int active[4] = {sms, sms / 2, sms / 4, sms / 8};
+    jax_sparse_mla::indexer_topk::ActiveClusters active;
+    for (int c = 1; c <= jax_sparse_mla::indexer_topk::kMaxClusterSize; ++c) active[c - 1] = sms / c;
     const bool ok = jax_sparse_mla::indexer_topk::PlanCluster(rows, width, active, &plan);
     std::printf("%d %d %lld\n", ok ? 1 : 0, plan.ctas, static_cast<long long>(plan.groups_capacity));
   }
@@ -270,7 +271,7 @@ def test_plan_accepts_exactly_the_checked_widths(plan_driver):
 def test_plan_of_the_benchmarked_shapes(plan_driver):
     """The split docs/kernels/sm90-indexer.md quotes for an H200 (132 SMs)."""
     cases = {(1, 131072): 8, (1, 8192): 4, (32, 65536): 4, (32, 131072): 4, (128, 8192): 1,
-             (128, 65536): 2, (4096, 131072): 4}
+             (128, 65536): 2, (4096, 131072): 3, (40, 65536): 3, (24, 131072): 5, (16, 98304): 8}
     results = plan(plan_driver, [(r, s, 132) for r, s in cases])
     assert [ctas for _, ctas, _ in results] == list(cases.values())
 
@@ -281,17 +282,19 @@ def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
              for s in (1, 100, 2048, 2049, 8192, 65536, 131072, 262144, topk.MAX_CLUSTER_WIDTH)]
     for (rows, width, _), (ok, ctas, capacity) in zip(cases, plan(plan_driver, cases)):
         assert ok == 1
-        assert ctas in (1, 2, 4, 8)
+        assert 1 <= ctas <= 8
         groups = -(-(width + 3) // 4)  # the most groups a row of this width spans (lead <= 3)
-        assert capacity == -(-groups // ctas) and capacity * 16 <= 160 * 1024
-        if ctas > 1:
-            # Doubled only for shared memory, or while the grid stayed in one wave (one CTA per
-            # SM) and chunks kept >= 2048 keys.
-            half = -(-groups // (ctas // 2))
-            assert half * 16 > 160 * 1024 or (rows * ctas <= sms and capacity * 4 >= 2048)
-        if ctas < 8 and rows * 2 * ctas <= sms:
-            # Not doubled although one wave had room: the chunks would have been too small.
-            assert -(-groups // (2 * ctas)) * 4 < 2048
+        assert capacity == -(-groups // ctas) and capacity * 16 <= 176 * 1024
+        fewest = -(-groups // 11264)
+        if ctas > fewest:
+            # Widened only while the grid stayed in one wave (one CTA per SM) and chunks kept
+            # >= 2048 keys.
+            assert rows * ctas <= sms and capacity * 4 >= 2048
+        else:
+            assert ctas == max(1, fewest)
+        for wider in range(ctas + 1, 9):
+            # Not widened although one wave had room: the chunks would have been too small.
+            assert rows * wider > sms or -(-groups // wider) * 4 < 2048
 
 
 # --- the registration ------------------------------------------------------------------------------
@@ -362,11 +365,12 @@ def test_a_cluster_wider_than_one_wave_runs_one_cta(fake_sm90, monkeypatch):
 
 def test_min_cluster_size_is_where_the_plan_starts(plan_driver):
     """min_cluster_size(S) is PlanCluster's cluster before it widens (with no SMs to widen into)."""
-    widths = [1, 2048, 8192, 40957, 40958, 65536, 81917, 81918, 131072, 163837, 163838,
-              topk.MAX_CLUSTER_WIDTH]
+    widths = [1, 2048, 8192, 45053, 45054, 65536, 90109, 90110, 131072, 135165, 135166, 180221,
+              180222, topk.MAX_CLUSTER_WIDTH]
     results = plan(plan_driver, [(1, s, 0) for s in widths])
     assert [ctas for _, ctas, _ in results] == [topk.min_cluster_size(s) for s in widths]
-    assert [topk.min_cluster_size(s) for s in (40957, 40958, 81918, 163838)] == [1, 2, 4, 8]
+    assert [topk.min_cluster_size(s) for s in (45053, 45054, 90109, 90110, 131072, 135166,
+                                               topk.MAX_CLUSTER_WIDTH)] == [1, 2, 2, 3, 3, 4, 8]
 
 
 def test_shape_rule_says_why(monkeypatch):
@@ -384,7 +388,7 @@ def test_shape_rule_says_why(monkeypatch):
 
 
 @pytest.mark.parametrize("override,message", [
-    (dict(num_keys=topk.MAX_CLUSTER_WIDTH + 1), "exceeds the 327677 positions"),
+    (dict(num_keys=topk.MAX_CLUSTER_WIDTH + 1), "exceeds the 360445 positions"),
     (dict(num_rows=topk.MAX_CLUSTER_ROWS + 1), "R (rows) must be at most"),
     (dict(top_k=0), "k must be positive"),
     (dict(dtypes=("bfloat16", "int32", "int32")), "needs float32 logits"),

@@ -219,7 +219,15 @@ def test_top_k_per_row_large_batch_long_rows(kernel):
     check_rows(256, 131072, 2048, kernel, seed=1)
 
 
-@pytest.mark.parametrize("num_rows,width", [(1, 262144), (2, 327677), (1, 327677)])
+@pytest.mark.parametrize("num_rows,width", [(32, 131072), (40, 65536), (24, 131072)])
+def test_cluster_form_in_clusters_of_any_width(num_rows, width):
+    """Shapes whose plan takes clusters that are not a power of two on a 132-SM part (3 CTAs at
+    32 x 131072, their 175 KB chunks leaving no room for the leader's lists: the cluster passes;
+    3 at 40 x 65536; 5 at 24 x 131072, as the occupancy calculator allows)."""
+    check_rows(num_rows, width, 2048, "sm90_topk_cluster")
+
+
+@pytest.mark.parametrize("num_rows,width", [(1, 262144), (2, 327677), (1, 327677), (1, 360445)])
 def test_cluster_form_at_its_widest_rows(num_rows, width):
     """The widest rows a cluster holds (8 CTAs, their shared memory full), every lead."""
     check_rows(num_rows, width, 2048, "sm90_topk_cluster")
