@@ -14,10 +14,13 @@ and the next one runs):
   sm90       bench_sm90.py at README's attention shapes (T 128 and 512, H 16 and 128, three caches,
              the T = 1 decode loop)
   indexer    bench_indexer.py: decode B {1, 32, 128} x L {8192, 65536, 131072}, native / auto /
-             pure JAX / torch.topk / both one-CTA top-k builds by name, prefill at N = 65536
+             pure JAX / torch.topk / both one-CTA top-k builds by name / CUB's batched top-k in
+             both modes (--cub: built with nvcc from FlashInfer's CCCL headers, skipped without
+             them), prefill at N = 65536
   conversion bench_index_conversion.py at T {1, 128, 1024, 8192}
-  example    examples/generate.py --preset deepseek-v3.2 --layers 4 --batch 32 --context 65536 --fill-context with
-             --implementation auto, xla and native: wall ms/step as printed (15 steps, no profiler),
+  example    examples/generate.py --preset deepseek-v3.2 --layers 4 --fill-context at batch x context
+             32 x 65536 (--implementation auto, xla and native), 1 x 131072 and 128 x 8192 (auto and
+             xla): wall ms/step as printed (15 steps, no profiler),
              and the device time per step from a profiler trace of 15 more steps (the sum of their
              kernel durations / 15; span: first kernel start to last kernel end / 15), and where a
              step's idle time goes (timing.decode_gaps: a summary line here, the table in the log)
@@ -48,8 +51,11 @@ sys.path.insert(0, HERE)
 
 STEPS = ("build", "info", "tests", "sm90", "indexer", "conversion", "example", "prefill")
 FAMILIES = {9: "sm90", 10: "sm100", 12: "sm120"}
-EXAMPLE = ["--preset", "deepseek-v3.2", "--layers", "4", "--batch", "32", "--context", "65536",
-           "--fill-context"]  # the decode step from random context rows (a prefill of 32 x 65536 is long)
+# The decode step from random context rows (a prefill of 32 x 65536 is long).
+EXAMPLE = ["--preset", "deepseek-v3.2", "--layers", "4", "--fill-context"]
+# (batch, context, implementations): README's decode shapes.
+EXAMPLE_SHAPES = ((32, 65536, ("auto", "xla", "native")), (1, 131072, ("auto", "xla")),
+                  (128, 8192, ("auto", "xla")))
 EXAMPLE_STEPS = 16  # --new-tokens: the first step compiles, the other 15 are timed
 
 
@@ -121,16 +127,19 @@ def suite_summary(output: str) -> str:
     return summary + "".join(f"\n      FAILED {name}" for name in failed)
 
 
-def example_run(log: Log, implementation: str) -> dict:
-    """The example at README's shape: wall ms/step as it prints it, device ms/step from its trace."""
+def example_run(log: Log, batch: int, context: int, implementation: str) -> dict:
+    """The example at one decode shape: wall ms/step as it prints it, device ms/step from its
+    trace."""
     from timing import decode_gaps, read_trace
 
     trace_dir = tempfile.mkdtemp(prefix="gpu_check_example_")
     status, output, seconds = log.run(
-        f"example {implementation}",
-        [sys.executable, "-P", "examples/generate.py", *EXAMPLE, "--new-tokens", str(EXAMPLE_STEPS),
+        f"example {batch} x {context} {implementation}",
+        [sys.executable, "-P", "examples/generate.py", *EXAMPLE, "--batch", str(batch),
+         "--context", str(context), "--new-tokens", str(EXAMPLE_STEPS),
          "--implementation", implementation, "--trace-dir", trace_dir], timeout=900)
-    result = dict(implementation=implementation, status=status, seconds=round(seconds))
+    result = dict(implementation=implementation, batch=batch, context=context, status=status,
+                  seconds=round(seconds))
     match = re.search(r"decode: ([\d.]+) ms/step", output)
     _, kernels = read_trace(trace_dir) if status == 0 else ([], [])
     if match and kernels:
@@ -170,6 +179,13 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
                 auto, xla = pick.get((op, "auto", batch, context)), pick.get((op, "xla", batch, context))
                 cells.append(f"{op} {_us(auto)} / {_us(xla)}")
             lines.append(f"    {batch:3d} x {context:6d}: " + ", ".join(cells))
+        cub = [r for r in indexer if r["backend"] == "cub_lower"]
+        if cub:
+            lines.append("  top-k (us; auto / CUB ties to the lower index / CUB default):")
+            for r in cub:
+                key = (r["B"], r["context"])
+                lines.append(f"    {key[0]:3d} x {key[1]:6d}: {_us(pick.get(('topk', 'auto', *key)))} / "
+                             f"{_us(r['us'])} / {_us(pick.get(('topk', 'cub', *key)))}")
     attention = rows(os.path.join(out, f"sm90_{card}.json"))
     if attention:
         lines.append("  attention (us; ours / pure JAX):")
@@ -179,20 +195,25 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
                             (x["T"], x["H"], x["kv_dtype"]) == (r["T"], r["H"], r["kv_dtype"])), None)
                 lines.append(f"    T={r['T']:4d} H={r['H']:3d} {r['kv_dtype']:>10}: "
                              f"{_us(r['us'])} / {_us(xla)}")
-    examples = {e["implementation"]: e for e in state.get("example", [])}
+    examples = state.get("example", [])
     if examples:
-        lines.append("  decode step 32 x 65536, 4 DeepSeek-V3.2 layers (device ms/step; wall):")
-        for name, e in examples.items():
-            if "device_ms" in e:
-                lines.append(f"    {name:6s} {e['device_ms']:.2f} ms ({e['wall_ms']:.2f} wall), "
-                             f"{32 / e['device_ms'] * 1e3:,.0f} tokens/s")
-                if e.get("gaps"):
-                    lines.append(f"           {e['gaps']}")
-            else:
-                lines.append(f"    {name:6s} failed (exit {e['status']}; see the log)")
-        if "device_ms" in examples.get("auto", {}) and "device_ms" in examples.get("xla", {}):
-            lines.append(f"    auto / pure JAX: {examples['xla']['device_ms'] / examples['auto']['device_ms']:.2f}x "
-                         "tokens/s")
+        lines.append("  decode step, 4 DeepSeek-V3.2 layers (ms/step: wall, kernels, wall / kernels; "
+                     "tokens/s by wall):")
+        for e in examples:
+            head = f"    {e['batch']:3d} x {e['context']:6d} {e['implementation']:6s}"
+            if "device_ms" not in e:
+                lines.append(f"{head} failed (exit {e['status']}; see the log)")
+                continue
+            lines.append(f"{head} {e['wall_ms']:6.2f} {e['device_ms']:6.2f} "
+                         f"{e['wall_ms'] / e['device_ms']:5.2f}x {e['batch'] / e['wall_ms'] * 1e3:9,.0f}")
+            if e.get("gaps"):
+                lines.append(f"           {e['gaps']}")
+        by = {(e["batch"], e["context"], e["implementation"]): e for e in examples if "wall_ms" in e}
+        for batch, context, _ in EXAMPLE_SHAPES:
+            auto, xla = by.get((batch, context, "auto")), by.get((batch, context, "xla"))
+            if auto and xla:
+                lines.append(f"    {batch} x {context}: auto / pure JAX {xla['wall_ms'] / auto['wall_ms']:.2f}x "
+                             f"tokens/s (wall), {xla['device_ms'] / auto['device_ms']:.2f}x (kernels)")
     prefill = rows(os.path.join(out, f"prefill_{card}.json"))
     if prefill:
         lines.append("  prefill, 4 DeepSeek-V3.2 layers, chunks of 8192 (TTFT ms; limit; tokens/s):")
@@ -275,7 +296,7 @@ def main() -> None:
             status, _, seconds = log.run("indexer", [
                 *python, os.path.join(HERE, "bench_indexer.py"), "--out", out,
                 "--backends", "native", "auto", "xla", "torch", "one_cta", "one_cta_stream",
-                "--prefill-keys", "65536"],
+                "--cub", "--prefill-keys", "65536"],
                 env=bench_env)
             record(step, status, seconds)
         elif step == "conversion":
@@ -285,10 +306,11 @@ def main() -> None:
             record(step, status, seconds)
         elif step == "example":
             seconds = 0.0
-            for implementation in ("auto", "xla", "native"):
-                result = example_run(log, implementation)
-                state["example"].append(result)
-                seconds += result["seconds"]
+            for batch, context, implementations in EXAMPLE_SHAPES:
+                for implementation in implementations:
+                    result = example_run(log, batch, context, implementation)
+                    state["example"].append(result)
+                    seconds += result["seconds"]
             record(step, max(e["status"] for e in state["example"]), seconds)
         elif step == "prefill":
             status, _, seconds = log.run("prefill", [

@@ -307,3 +307,26 @@ def test_cub_topk_compiles_for_sm90a(tmp_path):
         pytest.skip(f"no CCCL headers: {error}")
     binary = bench.build_cub(str(tmp_path), print)
     assert os.path.isfile(binary) and os.access(binary, os.X_OK)
+
+
+def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path):
+    """gpu-check's summary (what README's tables are read from): each decode shape's wall and kernel
+    time and their ratio, auto against pure JAX per shape, and the top-k beside CUB's rows."""
+    import json
+
+    gpu_check = _benchmark_module("gpu_check")
+    rows = [dict(op="topk", backend="auto", B=32, context=65536, us=24.7),
+            dict(op="topk", backend="cub_lower", B=32, context=65536, us=23.9),
+            dict(op="topk", backend="cub", B=32, context=65536, us=23.6)]
+    (tmp_path / "indexer_h100.json").write_text(json.dumps(dict(rows=rows)))
+    state = dict(device="H100", minutes=1.0, steps={"example": dict(status=0, seconds=9)},
+                 example=[dict(implementation="auto", batch=32, context=65536, status=0,
+                               wall_ms=2.0, device_ms=1.6),
+                          dict(implementation="xla", batch=32, context=65536, status=0,
+                               wall_ms=8.0, device_ms=8.0),
+                          dict(implementation="auto", batch=1, context=131072, status=1)])
+    text = "\n".join(gpu_check.summary_lines(str(tmp_path), "h100", state))
+    assert "32 x  65536: 24.7 / 23.9 / 23.6" in text
+    assert "32 x  65536 auto     2.00   1.60  1.25x    16,000" in text
+    assert "1 x 131072 auto   failed (exit 1" in text
+    assert "32 x 65536: auto / pure JAX 4.00x tokens/s (wall), 5.00x (kernels)" in text
