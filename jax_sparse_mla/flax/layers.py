@@ -226,9 +226,11 @@ class Indexer(nnx.Module):
 
     A step whose requests all bring the same number next_n <= max_decode_next_n of tokens is a decode:
     fp8_paged_mqa_logits + top_k_per_row_decode, with the metadata's seq_lens as context lengths.
-    Any other step takes the prefill path: the keys of every request are gathered once
-    (cp_gather_indexer_k_quant_cache into N = num_reqs * min(max_seq_len, W * block_size) rows, a
-    static bound), then the tokens are scored in chunks of
+    In a decode-first mixed step (metadata.leading_reqs requests of leading_query_len <=
+    max_decode_next_n tokens each, then others, as vLLM orders a batch) the leading requests' tokens
+    take the decode path and the rest the prefill path over the other requests alone. The prefill
+    path: the keys of its R' requests are gathered once (cp_gather_indexer_k_quant_cache into
+    N = R' * min(max_seq_len, W * block_size) rows, a static bound), then the tokens are scored in chunks of
     rows = max(1, max_logits_bytes // (4 N)) tokens (fp8_mqa_logits + top_k_per_row, one chunk per
     step of a scan), so that the [rows, N] fp32 logits stay within max(max_logits_bytes, 4 N) bytes.
     Token t of request r sees rows [cu[r], cu[r] + p_t + 1) of the gathered keys.
@@ -305,41 +307,62 @@ class Indexer(nnx.Module):
                                                     "indexer_k_quant_and_cache"))
         q8, q_scale = quantize_indexer_q(q)
         weights = fold_indexer_weights(weights, q_scale)
+        num_reqs = metadata.num_reqs
         next_n = metadata.max_query_len
-        if (1 <= next_n <= self.max_decode_next_n and num_tokens == metadata.num_reqs * next_n
+        if (1 <= next_n <= self.max_decode_next_n and num_tokens == num_reqs * next_n
                 and metadata.num_actual_tokens == num_tokens):
-            return self._decode(q8, weights, index_cache, metadata, next_n), index_cache
-        return self._prefill(q8, weights, positions, index_cache, metadata), index_cache
+            return self._decode(q8, weights, index_cache, metadata, 0, num_reqs, next_n), index_cache
+        decodes, decode_len = metadata.leading_reqs, metadata.leading_query_len
+        if 0 < decodes < num_reqs and decode_len <= self.max_decode_next_n and num_tokens > 0:
+            # Tokens [0, split) are the leading requests' (all real: query_start_loc[decodes] = split);
+            # leading requests without tokens are left out of the gather.
+            split = decodes * decode_len
+            if split == metadata.num_actual_tokens:  # the other requests bring no tokens
+                head = self._decode(q8[:split], weights[:split], index_cache, metadata, 0, decodes,
+                                    decode_len)
+                padding = jnp.full((num_tokens - split, self.config.index_topk), -1, head.dtype)
+                return jnp.concatenate([head, padding]), index_cache
+            tail = self._prefill(q8[split:], weights[split:], positions[split:], index_cache,
+                                 metadata, decodes, split)
+            if split == 0:
+                return tail, index_cache
+            head = self._decode(q8[:split], weights[:split], index_cache, metadata, 0, decodes,
+                                decode_len)
+            return jnp.concatenate([head, tail]), index_cache
+        return self._prefill(q8, weights, positions, index_cache, metadata, 0, 0), index_cache
 
-    def _decode(self, q8, weights, index_cache, metadata, next_n):
+    def _decode(self, q8, weights, index_cache, metadata, first_req, num_reqs, next_n):
+        """Requests [first_req, first_req + num_reqs), next_n tokens each (q8 / weights: theirs)."""
         c = self.config
-        batch = metadata.num_reqs
-        table = metadata.block_table
-        context_lens = metadata.seq_lens[:batch]
+        table = metadata.block_table[first_req:first_req + num_reqs]
+        context_lens = metadata.seq_lens[first_req:first_req + num_reqs]
         logits = fp8_paged_mqa_logits(
-            q8.reshape(batch, next_n, c.index_n_heads, c.index_head_dim), index_cache, weights,
+            q8.reshape(num_reqs, next_n, c.index_n_heads, c.index_head_dim), index_cache, weights,
             context_lens, table, max_context_len=table.shape[1] * index_cache.shape[1],
             implementation=self.implementation_for("fp8_paged_mqa_logits"))
         return top_k_per_row_decode(logits, context_lens, next_n=next_n, k=c.index_topk,
                                     implementation=self.implementation_for("top_k_per_row_decode"))
 
-    def _prefill(self, q8, weights, positions, index_cache, metadata):
+    def _prefill(self, q8, weights, positions, index_cache, metadata, first_req, first_token):
+        """The step's tokens from first_token on (q8 / weights / positions: theirs), all of requests
+        first_req .. num_reqs - 1: only those requests' keys are gathered."""
         c = self.config
         num_tokens = q8.shape[0]
-        table = metadata.block_table
-        num_reqs = metadata.num_reqs
+        num_reqs = metadata.num_reqs - first_req
+        table = metadata.block_table[first_req:metadata.num_reqs]
         covered = table.shape[1] * index_cache.shape[1]
         per_request = min(metadata.max_seq_len, covered) if metadata.max_seq_len > 0 else covered
         capacity = max(num_reqs * per_request, 1)
-        seq_lens = metadata.seq_lens[:num_reqs].astype(jnp.int32)
+        seq_lens = metadata.seq_lens[first_req:metadata.num_reqs].astype(jnp.int32)
         cu = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(seq_lens, dtype=jnp.int32)])
         k_fp8, k_scale = cp_gather_indexer_k_quant_cache(
             index_cache, table, cu, num_tokens=capacity,
             implementation=self.implementation_for("cp_gather_indexer_k_quant_cache"))
         # Rows past the batch's real tokens (padding) get an empty range and select nothing.
-        real = jnp.arange(num_tokens) < metadata.num_actual_tokens
-        req = jnp.pad(metadata.req_id_per_token, (0, max(num_tokens - metadata.num_actual_tokens, 0)))
-        req = req[:num_tokens]
+        num_real = metadata.num_actual_tokens - first_token
+        real = jnp.arange(num_tokens) < num_real
+        req = jnp.pad(metadata.req_id_per_token[first_token:], (0, max(num_tokens - num_real, 0)))
+        req = jnp.where(real, req[:num_tokens] - first_req, 0)
         starts = jnp.where(real, cu[req], 0)
         ends = jnp.where(real, jnp.minimum(cu[req] + positions.astype(jnp.int32) + 1, cu[req + 1]), 0)
 

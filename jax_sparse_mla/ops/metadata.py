@@ -62,6 +62,11 @@ class FlashInferMLASparseMetadata:
     cp_kv_cache_interleave_size. prefill_max_seq_len is the longest prefill request's seq_len, or
     max_seq_len when seq_lens was traced and given without a host copy. vLLM's `prefill` (dense MHA prefill) metadata has no counterpart: this
     port runs every token through sparse MQA, which equals dense MHA while prefill lengths <= top-k.
+    leading_reqs and leading_query_len (not in vLLM's class): the first leading_reqs requests all
+    bring leading_query_len tokens (0 included) and the next one (if any) a different number, read
+    from the host copy of query_start_loc (leading_reqs = 0 where there is none). The Flax indexer
+    scores such leading requests as decodes through the paged logits when leading_query_len is small
+    and gathers the keys of the other requests only (a decode-first mixed step).
     """
 
     query_start_loc: jax.Array
@@ -80,6 +85,8 @@ class FlashInferMLASparseMetadata:
     block_size: int = 64
     topk_tokens: int = 2048
     cp_kv_cache_interleave_size: int = 1
+    leading_reqs: int = 0
+    leading_query_len: int = 0
 
 
 _register(FlashInferMLASparseMetadata,
@@ -108,6 +115,17 @@ def _host_ints(name: str, host_copy: tuple[int, ...] | None, array: jax.Array) -
             f"this batch mixes decodes and prefills, so the split needs {name}_cpu in "
             "CommonAttentionMetadata when the builder runs under jit."
         ) from None
+
+
+def leading_uniform_requests(query_start_loc_cpu: np.ndarray | None) -> tuple[int, int]:
+    """(n, q): the first n >= 1 requests all have query length q >= 0 and request n (if any) another
+    one; (0, 0) without a host copy, without requests, or when the tokens do not start at 0."""
+    if query_start_loc_cpu is None or len(query_start_loc_cpu) < 2 or query_start_loc_cpu[0] != 0:
+        return 0, 0
+    query_lens = np.diff(np.asarray(query_start_loc_cpu, dtype=np.int64))
+    first = int(query_lens[0])
+    differs = query_lens != first
+    return (int(np.argmax(differs)) if differs.any() else len(query_lens)), first
 
 
 def split_decodes_and_prefills(
@@ -240,6 +258,8 @@ class FlashInferMLASparseMetadataBuilder:
             # static bound max_seq_len stands in for the longest prefill.
             prefill_max_seq_len = (max_seq_len if seq_lens is None
                                    else int(np.asarray(seq_lens)[num_decodes:].max(initial=0)))
+        leading_reqs, leading_query_len = leading_uniform_requests(
+            qsl_host if qsl_host is not None else v.host_values(qsl_arr))
         return FlashInferMLASparseMetadata(
             query_start_loc=qsl_arr,
             slot_mapping=slot_mapping[:num_tokens],
@@ -257,6 +277,8 @@ class FlashInferMLASparseMetadataBuilder:
             block_size=self.block_size,
             topk_tokens=self.topk_tokens,
             cp_kv_cache_interleave_size=self.cp_kv_cache_interleave_size,
+            leading_reqs=leading_reqs,
+            leading_query_len=leading_query_len,
         )
 
 

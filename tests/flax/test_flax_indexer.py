@@ -3,6 +3,7 @@ written here: top-k recall with the real fp8 quantisation, exact equality when t
 lossless, the decode and prefill paths, the Hadamard option and the prefill chunking."""
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -140,7 +141,7 @@ def fp8_exact(rng, shape, exponents):
     return (values * 2.0 ** exponents).astype(BF16)
 
 
-@pytest.mark.parametrize("path", ["prefill", "decode"])
+@pytest.mark.parametrize("path", ["prefill", "decode", "mixed", "idle_first"])
 def test_lossless_quantisation_gives_the_float64_selection(indexer, path):
     rng = np.random.default_rng(0)
     total, heads = sum(SEQ_LENS), TINY.index_n_heads
@@ -151,6 +152,15 @@ def test_lossless_quantisation_gives_the_float64_selection(indexer, path):
     cache = empty_cache()
     if path == "prefill":
         rows = np.arange(total)
+    elif path == "mixed":  # request 0 decodes its last token while request 1 prefills all of its own
+        rows = np.concatenate([[SEQ_LENS[0] - 1], np.arange(SEQ_LENS[0], total)])
+        cache = jsm.indexer_k_quant_and_cache(k[: SEQ_LENS[0] - 1], cache, slots[: SEQ_LENS[0] - 1])
+        metadata, positions, _, _ = batch_metadata(SEQ_LENS, (1, SEQ_LENS[1]))
+        assert (metadata.leading_reqs, metadata.leading_query_len) == (1, 1)
+    elif path == "idle_first":  # request 0 brings no tokens (its keys are not gathered), request 1 all
+        rows = np.arange(SEQ_LENS[0], total)
+        metadata, positions, _, _ = batch_metadata(SEQ_LENS, (0, SEQ_LENS[1]))
+        assert (metadata.leading_reqs, metadata.leading_query_len) == (1, 0)
     else:  # write the context's keys, then a decode step of the last 2 tokens of each request
         ends = np.cumsum(SEQ_LENS)
         rows = np.concatenate([[e - 2, e - 1] for e in ends])
@@ -185,6 +195,51 @@ def test_hadamard_option(inputs):
     hadamard_recall, rows = recall(np.asarray(topk), expected)
     print(f"\nwith the Hadamard rotation: recall {hadamard_recall:.4f} over {rows} rows")
     assert hadamard_recall > 0.9
+
+
+def _axis_sizes(jaxpr) -> set[int]:
+    sizes = set()
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            sizes.update(getattr(var.aval, "shape", ()))
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            sizes |= _axis_sizes(sub)
+    return sizes
+
+
+def test_mixed_step_gathers_the_prefill_requests_keys_only(indexer, inputs):
+    """A decode-first mixed step (request 0 decodes one token, request 1 prefills): the decode token
+    goes through the paged logits and the gather holds request 1's keys alone (max_seq_len = 300
+    rows), not N = 2 x 300; without the leading-request split the same step gathers all 600. The
+    selections are the same."""
+    import dataclasses
+
+    x, q_a = inputs
+    rows = np.concatenate([[SEQ_LENS[0] - 1], np.arange(SEQ_LENS[0], sum(SEQ_LENS))])
+    metadata, positions, _, _ = batch_metadata(SEQ_LENS, (1, SEQ_LENS[1]))
+    generic = dataclasses.replace(metadata, leading_reqs=0, leading_query_len=0)
+    args = (x[rows], q_a[rows], positions, empty_cache())
+    split_sizes = _axis_sizes(jax.make_jaxpr(lambda *a: indexer(*a, metadata))(*args).jaxpr)
+    generic_sizes = _axis_sizes(jax.make_jaxpr(lambda *a: indexer(*a, generic))(*args).jaxpr)
+    capacity = len(SEQ_LENS) * max(SEQ_LENS)
+    assert capacity in generic_sizes and capacity not in split_sizes
+    assert max(SEQ_LENS) in split_sizes
+    a, cache_a = run(indexer, *args, metadata)
+    b, cache_b = run(indexer, *args, generic)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(cache_a), np.asarray(cache_b))
+
+
+def test_leading_uniform_requests():
+    from jax_sparse_mla.ops.metadata import leading_uniform_requests
+
+    assert leading_uniform_requests(np.array([0, 1, 2, 3, 99])) == (3, 1)
+    assert leading_uniform_requests(np.array([0, 2, 4, 6])) == (3, 2)
+    assert leading_uniform_requests(np.array([0, 7, 8])) == (1, 7)
+    assert leading_uniform_requests(np.array([0, 0, 0, 5])) == (2, 0)  # requests without tokens
+    assert leading_uniform_requests(np.array([2, 3, 4])) == (0, 0)  # tokens not starting at 0
+    assert leading_uniform_requests(np.array([0])) == (0, 0)
+    assert leading_uniform_requests(None) == (0, 0)
 
 
 def test_prefill_chunks_bound_the_logits(inputs):
