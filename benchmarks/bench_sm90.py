@@ -13,9 +13,17 @@ and T in {8, 128, 512} x H in {16, 128} with fp8 caches (per-tensor e4m3 "fp8", 
   xla               jax.jit(sparse_mla_decode(..., implementation="xla"))     (pure JAX)
   flashinfer_torch  FlashInfer's BatchMLAPagedAttentionWrapper(backend="fa3"), page_size = 1, from torch
                     (bf16 and per-tensor fp8; FlashInfer has no SM90 kernel for fp8_ds_mla)
+  flashmla          with --flashmla, where `import flash_mla` works: FlashMLA's SM90 sparse kernels
+                    from torch on the same buffers and index sets (bf16: flash_mla_sparse_fwd;
+                    fp8_ds_mla: flash_mla_with_kvcache; heads padded to 64 or 128), timed by the sum
+                    of their kernels' durations per call; each row carries the max relative
+                    difference of its output from `auto`'s (benchmarks/flashmla_anchor.py)
 Realistic layout: token t of index set s draws its K distinct slots from its own region of 8192 rows
 (region s * T + t of 512), so no row is shared between tokens and consecutive calls rotate through
-index sets holding 512 * 2048 rows (1.2 GB bf16) in all: every gathered byte comes from HBM.
+index sets holding 512 * 2048 rows (1.2 GB bf16) in all: every gathered byte comes from HBM. Above
+T = 512 (prefill-sized calls) there is one index set and token t draws from region t % 512, so
+tokens 512 apart share a region, as a prompt's tokens share its cache; pure JAX runs only up to
+--xla-max-tokens (its gather of T x K rows grows past the device's memory).
 
 Timing: per-call device time in steady state (benchmarks/timing.py).
   JAX: the median over 20 jitted calls (pure JAX: 6), each on its own query and index set, of the
@@ -29,7 +37,8 @@ Roofline in the same run: bf16 8192^3 matmul (torch) and a 4 GiB device copy (by
 Also: T = 1 per-iteration time of a jitted decode loop (lax.fori_loop of 200 steps) for each cache
 of --kv-dtypes and each native backend above (FlashInfer from torch aside) and pure JAX: the device
 span of the loop over 200 (the kernels and the gaps between them), and its busy time over 200.
-Writes <out>/sm90_<card>.json and <out>/sm90_<card>.png (card: h100, h200, ...).
+Writes <out>/<name>_<card>.json and <out>/<name>_<card>.png (--result-name, default sm90; card: h100,
+h200, ...).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")  # leave room for
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+import flashmla_anchor  # noqa: E402
 import jax_sparse_mla as jsm  # noqa: E402
 import records  # noqa: E402
 import rooflines  # noqa: E402
@@ -50,7 +60,7 @@ from timing import device_times, torch_graph_seconds  # noqa: E402
 
 K = 2048
 REGION_ROWS = 8192
-NUM_REGIONS = 512  # = max T; each index set uses T regions
+NUM_REGIONS = 512  # each index set uses min(T, 512) regions
 TOKENS = (1, 8, 32, 128, 512)
 HEADS = (16, 64, 128)
 # fp8 runs on a subset by default (device time); --fp8-tokens / --fp8-heads widen it.
@@ -93,13 +103,15 @@ def make_inputs(kv_dtypes, seed=0):
 
 
 def index_sets(num_tokens, seed=1):
-    """[S, T, K] int32: set s, token t draws K distinct rows of region s * T + t."""
-    num_sets = NUM_REGIONS // num_tokens
-    regions = num_sets * num_tokens
+    """[S, T, K] int32: set s, token t draws K distinct rows of region (s * T + t) % NUM_REGIONS, with
+    S = max(1, NUM_REGIONS // T): no row is shared between tokens up to T = NUM_REGIONS."""
+    num_sets = max(1, NUM_REGIONS // num_tokens)
+    regions = min(num_sets * num_tokens, NUM_REGIONS)
     keys = jax.random.uniform(jax.random.key(seed), (regions, REGION_ROWS))
     picks = jnp.argsort(keys, axis=1)[:, :K].astype(jnp.int32)
     slots = picks + (jnp.arange(regions, dtype=jnp.int32) * REGION_ROWS)[:, None]
-    return slots.reshape(num_sets, num_tokens, K)
+    tokens = jnp.arange(num_sets * num_tokens) % regions
+    return slots[tokens].reshape(num_sets, num_tokens, K)
 
 
 def time_jax(implementation, q, cache, sets, kv_dtype, calls, kernel=None):
@@ -246,6 +258,11 @@ def main():
     parser.add_argument("--fp8-heads", type=int, nargs="*", default=FP8_HEADS)
     parser.add_argument("--kv-dtypes", nargs="+", default=list(ROW_BYTES), choices=list(ROW_BYTES))
     parser.add_argument("--no-torch", action="store_true", help="skip FlashInfer from torch")
+    parser.add_argument("--flashmla", action="store_true",
+                        help="also time FlashMLA's SM90 sparse kernels from torch (needs flash_mla)")
+    parser.add_argument("--xla-max-tokens", type=int, default=NUM_REGIONS,
+                        help="largest T whose rows also run pure JAX")
+    parser.add_argument("--result-name", default="sm90", help="<out>/<name>_<card>.json")
     parser.add_argument("--no-loop", action="store_true", help="skip the T = 1 decode loop")
     parser.add_argument("--loop-only", action="store_true",
                         help="only the T = 1 decode loop (e.g. to compare XLA_FLAGS settings)")
@@ -263,13 +280,19 @@ def main():
     except Exception as error:  # noqa: BLE001  (report and go on without the torch column)
         print(f"torch / flashinfer unavailable: {error!r}", file=sys.stderr)
         torch_fa3 = None
+    flashmla = None
+    if args.flashmla:
+        try:
+            flashmla = flashmla_anchor.TorchFlashMLA()
+        except Exception as error:  # noqa: BLE001  (report and go on without the FlashMLA rows)
+            print(f"FlashMLA unavailable: {error!r}", file=sys.stderr)
     print(f"device {device.device_kind}; roofline: {peak_tflops:.1f} TFLOP/s bf16, {peak_gbps:.0f} GB/s copy",
           flush=True)
 
     caches = make_inputs(args.kv_dtypes)
     loops = []
     os.makedirs(args.out, exist_ok=True)
-    record = records.Recorder(print, records.result_path(args.out, "sm90"), records.run_header(
+    record = records.Recorder(print, records.result_path(args.out, args.result_name), records.run_header(
         round(peak_gbps, 1), peak_tflops=round(peak_tflops, 1),
         layout=f"per-token regions of {REGION_ROWS} rows, no row shared, index sets rotated"),
         peak_gbps)
@@ -297,6 +320,8 @@ def main():
                 shape = dict(T=t, H=h, K=K, kv_dtype=kv_dtype)
                 for backend in LAYOUT_BACKENDS[kv_dtype]:
                     implementation, kernel = BACKENDS[backend]
+                    if implementation == "xla" and t > args.xla_max_tokens:
+                        continue
                     calls = 6 if implementation == "xla" else 20
                     row = record.measure(
                         f"{backend:>17} T={t:4d} H={h:3d} {kv_dtype:>10}",
@@ -313,6 +338,8 @@ def main():
                                          dict(us=seconds * 1e6), nbytes(t, h, kv_dtype),
                                          backend="flashinfer_torch", **shape)
                         _add_rate(row, t, h)
+                if flashmla is not None:
+                    time_flashmla(flashmla, record, q, cache, sets, kv_dtype, shape)
                 record.save(decode_loop=loops)
 
     record.save(decode_loop=loops)
@@ -333,6 +360,30 @@ def main():
     for r in loops:
         print(f"decode loop T=1 H={r['H']} {r['kv_dtype']} {r['backend']}: "
               f"{r['us_per_iteration']:.1f} us/iteration")
+
+
+def time_flashmla(flashmla, record, q, cache, sets, kv_dtype, shape):
+    """FlashMLA's row at one point (skipped with the reason where it has no kernel), with the max
+    relative difference of its output from what `auto` gives for index set 0."""
+    t, h = shape["T"], shape["H"]
+    reason = flashmla_anchor.why_not(kv_dtype, h, K)
+    if reason is not None:
+        print(f"{'flashmla':>17} T={t:4d} H={h:3d} {kv_dtype:>10}: skipped ({reason})")
+        return
+    try:
+        call, first = flashmla.runner(q, cache, sets, kv_dtype, SCALE)
+        seconds = flashmla.device_seconds(call)
+        ours = jax.jit(lambda q, cache, slots: decode(q, cache.reshape(-1, 64, cache.shape[-1]), slots,
+                                                      "auto", None, decode_kwargs(kv_dtype)))(
+            q, cache, sets[0])
+        difference = flashmla_anchor.max_relative_error(ours, first())
+    except Exception as error:  # noqa: BLE001  (a FlashMLA build or API mismatch: report, go on)
+        print(f"{'flashmla':>17} T={t:4d} H={h:3d} {kv_dtype:>10}: {error!r}", file=sys.stderr)
+        return
+    row = record.add(f"{'flashmla':>17} T={t:4d} H={h:3d} {kv_dtype:>10}", dict(us=seconds * 1e6),
+                     nbytes(t, h, kv_dtype), backend="flashmla", heads_run=flashmla_anchor.padded_heads(h),
+                     max_rel_diff_from_auto=round(difference, 5), timing="torch_profiler_kernels", **shape)
+    _add_rate(row, t, h)
 
 
 def _add_rate(row, t, h):

@@ -12,7 +12,9 @@ and the next one runs):
   info       python -P -m jax_sparse_mla (what was built and what `auto` runs here)
   tests      JAX_SPARSE_MLA_REQUIRE_GPU=1 pytest tests/kernels -n WORKERS (pytest-xdist)
   sm90       bench_sm90.py at README's attention shapes (T 128 and 512, H 16 and 128, three caches,
-             the T = 1 decode loop)
+             the T = 1 decode loop); where `import flash_mla` works (FlashMLA built on the machine,
+             never a dependency), FlashMLA's sparse kernels beside ours at those shapes and at
+             prefill sizes (T 4096 and 8192, H 64 and 128, bf16 and fp8_ds_mla: sm90_prefill_<card>.json)
   indexer    bench_indexer.py: decode B {1, 32, 128} x L {8192, 65536, 131072}, native / auto /
              pure JAX / torch.topk / both one-CTA top-k builds by name / CUB's batched top-k in
              both modes (--cub: built with nvcc from FlashInfer's CCCL headers, skipped without
@@ -37,6 +39,7 @@ The last thing printed is a one-screen summary. Tests and benchmarks import the 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -187,14 +190,15 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
                 lines.append(f"    {key[0]:3d} x {key[1]:6d}: {_us(pick.get(('topk', 'auto', *key)))} / "
                              f"{_us(r['us'])} / {_us(pick.get(('topk', 'cub', *key)))}")
     attention = rows(os.path.join(out, f"sm90_{card}.json"))
+    attention += rows(os.path.join(out, f"sm90_prefill_{card}.json"))
     if attention:
-        lines.append("  attention (us; ours / pure JAX):")
+        lines.append("  attention (us; ours / pure JAX / FlashMLA):")
         for r in attention:
             if r["backend"] in ("native", "native_fp8"):
-                xla = next((x["us"] for x in attention if x["backend"] == "xla" and
-                            (x["T"], x["H"], x["kv_dtype"]) == (r["T"], r["H"], r["kv_dtype"])), None)
+                other = {x["backend"]: x["us"] for x in attention
+                         if (x["T"], x["H"], x["kv_dtype"]) == (r["T"], r["H"], r["kv_dtype"])}
                 lines.append(f"    T={r['T']:4d} H={r['H']:3d} {r['kv_dtype']:>10}: "
-                             f"{_us(r['us'])} / {_us(xla)}")
+                             f"{_us(r['us'])} / {_us(other.get('xla'))} / {_us(other.get('flashmla'))}")
     examples = state.get("example", [])
     if examples:
         lines.append("  decode step, 4 DeepSeek-V3.2 layers (ms/step: wall, kernels, wall / kernels; "
@@ -286,12 +290,21 @@ def main() -> None:
                 env=dict(JAX_SPARSE_MLA_REQUIRE_GPU="1"), timeout=900)
             record(step, status, seconds, suite_summary(output))
         elif step == "sm90":
+            flashmla = ["--flashmla"] if importlib.util.find_spec("flash_mla") else []
             status, _, seconds = log.run("sm90", [
                 *python, os.path.join(HERE, "bench_sm90.py"), "--out", out, "--no-torch",
                 "--kv-dtypes", "bf16", "fp8", "fp8_ds_mla", "--tokens", "128", "512",
-                "--heads", "16", "128", "--fp8-tokens", "128", "512", "--fp8-heads", "16", "128"],
-                env=bench_env)
-            record(step, status, seconds)
+                "--heads", "16", "128", "--fp8-tokens", "128", "512", "--fp8-heads", "16", "128",
+                *flashmla], env=bench_env)
+            if flashmla and not status:
+                status, _, more = log.run("sm90 prefill sizes", [
+                    *python, os.path.join(HERE, "bench_sm90.py"), "--out", out, "--no-torch",
+                    "--no-loop", "--flashmla", "--result-name", "sm90_prefill", "--xla-max-tokens", "0",
+                    "--kv-dtypes", "bf16", "fp8_ds_mla", "--tokens", "4096", "8192", "--heads", "64",
+                    "128", "--fp8-tokens", "4096", "8192", "--fp8-heads", "64", "128"],
+                    env=bench_env, timeout=1200)
+                seconds += more
+            record(step, status, seconds, "with FlashMLA" if flashmla else "")
         elif step == "indexer":
             status, _, seconds = log.run("indexer", [
                 *python, os.path.join(HERE, "bench_indexer.py"), "--out", out,

@@ -330,3 +330,34 @@ def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path
     assert "32 x  65536 auto     2.00   1.60  1.25x    16,000" in text
     assert "1 x 131072 auto   failed (exit 1" in text
     assert "32 x 65536: auto / pure JAX 4.00x tokens/s (wall), 5.00x (kernels)" in text
+
+
+def test_flashmla_anchor_rules():
+    """FlashMLA's SM90 sparse kernels: heads padded to 64 or 128, K a multiple of 128 (bf16) or 64
+    (fp8_ds_mla), caches it has kernels for; every index outside the cache becomes exactly -1."""
+    import numpy as np
+
+    anchor = _benchmark_module("flashmla_anchor")
+    assert [anchor.padded_heads(h) for h in (1, 16, 64, 65, 128, 129)] == [64, 64, 64, 128, 128, None]
+    assert anchor.why_not("bf16", 16, 2048) is None and anchor.why_not("fp8_ds_mla", 128, 2048) is None
+    assert "multiple of 128" in anchor.why_not("bf16", 128, 2112)
+    assert anchor.why_not("fp8_ds_mla", 128, 2112) is None
+    assert "fp8" in anchor.why_not("fp8", 16, 2048)
+    assert "at most 128" in anchor.why_not("bf16", 256, 2048)
+    sets = np.array([[[0, 5, -3, 10], [9, -1, 11, 2]]], np.int32)  # [S=1, T=2, K=4], 10 rows
+    np.testing.assert_array_equal(anchor.flashmla_indices(sets, 10)[:, :, 0],
+                                  [[[0, 5, -1, -1], [9, -1, -1, 2]]])
+
+
+def test_sm90_index_sets_share_regions_only_past_512_tokens():
+    import numpy as np
+
+    bench = _benchmark_module("bench_sm90")
+    small = np.asarray(bench.index_sets(128))
+    assert small.shape == (4, 128, bench.K)
+    regions = small // bench.REGION_ROWS
+    assert (regions == regions[..., :1]).all()  # a token's rows lie in one region
+    assert len(np.unique(regions[..., 0])) == 4 * 128  # no region shared below 512 tokens
+    large = np.asarray(bench.index_sets(1024))
+    assert large.shape == (1, 1024, bench.K)
+    np.testing.assert_array_equal(large[0, :512], large[0, 512:])  # tokens 512 apart share a region

@@ -7,7 +7,7 @@
 //   - warpgroup 2 (the producer) gathers the tile's rows with 16-byte loads (issued a round of 32
 //     rows ahead), converts them and stores them into one of two shared-memory buffers as wgmma
 //     operands: e4m3 values to f16 (exact); fp8_ds_mla values times their tile scale to bf16
-//     (rounded once, as FlashMLA dequantises) beside the bf16 RoPE dims as they are. Rows of
+//     (rounded once, from the float32 product) beside the bf16 RoPE dims as they are. Rows of
 //     invalid slots become zeros and are marked invalid (one bit per row). With two head groups
 //     (H in (64, 128]) the two CTAs of a token form a cluster (kPaired) and each producer converts
 //     half of every tile into both CTAs' buffers (the other CTA's half through distributed shared
