@@ -24,7 +24,7 @@ from ..ops.indexer import (fold_indexer_weights, fp8_mqa_logits, fp8_paged_mqa_l
                            top_k_per_row, top_k_per_row_decode)
 from ..ops.indexer_cache import cp_gather_indexer_k_quant_cache, indexer_k_quant_and_cache
 from ..ops.kv_cache import concat_and_cache_mla, quantize_query_fp8
-from ..ops.metadata import FlashInferMLASparseMetadata
+from ..ops.metadata import FlashInferMLASparseMetadata, leading_uniform_requests
 from .config import MLAConfig, check_config
 from .rope import apply_rope
 
@@ -173,6 +173,16 @@ def _check_metadata(metadata, num_tokens: int, block_size: int, cache_name: str)
                    (num_reqs + 1,), f"for num_reqs={num_reqs}")
     max_seq_len = _v.check_int("metadata.max_seq_len", metadata.max_seq_len, minimum=0)
     _v.check_values_at_most("metadata.seq_lens", seq_lens, max_seq_len, "metadata.max_seq_len")
+    # The leading requests the indexer scores as decodes: a wrong count would give tokens another
+    # request's selection, so they must agree with query_start_loc where its values are known.
+    leading = _v.check_int("metadata.leading_reqs", metadata.leading_reqs, minimum=0)
+    leading_len = _v.check_int("metadata.leading_query_len", metadata.leading_query_len, minimum=0)
+    if leading > num_reqs:
+        raise ValueError(f"metadata.leading_reqs={leading} exceeds metadata.num_reqs={num_reqs}.")
+    qsl = _v.host_values(metadata.query_start_loc)
+    if leading and qsl is not None and leading_uniform_requests(qsl) != (leading, leading_len):
+        raise ValueError(f"metadata.leading_reqs={leading} and leading_query_len={leading_len} "
+                         f"disagree with metadata.query_start_loc {qsl.tolist()}.")
 
 
 def _check_index_cache(index_cache, num_blocks: int | None = None, block_size: int | None = None):
@@ -313,7 +323,8 @@ class Indexer(nnx.Module):
                 and metadata.num_actual_tokens == num_tokens):
             return self._decode(q8, weights, index_cache, metadata, 0, num_reqs, next_n), index_cache
         decodes, decode_len = metadata.leading_reqs, metadata.leading_query_len
-        if 0 < decodes < num_reqs and decode_len <= self.max_decode_next_n and num_tokens > 0:
+        if (0 < decodes < num_reqs and decode_len <= self.max_decode_next_n and num_tokens > 0
+                and decodes * decode_len <= metadata.num_actual_tokens):
             # Tokens [0, split) are the leading requests' (all real: query_start_loc[decodes] = split);
             # leading requests without tokens are left out of the gather.
             split = decodes * decode_len

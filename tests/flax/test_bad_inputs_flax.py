@@ -166,6 +166,21 @@ def test_attention_metadata_disagreeing_with_tokens_and_caches(field, data, jitt
         call(x, positions, cache, md)
 
 
+def test_leading_requests_must_agree_with_query_start_loc():
+    """The indexer scores metadata.leading_reqs requests as decodes: a count that does not fit the
+    batch is refused (under jit too), one that disagrees with concrete query_start_loc values as
+    well; the builder's own values pass."""
+    x, positions, cache, md = inputs()
+    assert (md.leading_reqs, md.leading_query_len) == (1, T)
+    jitted = lambda *a: nnx.jit(lambda m, *b: m(*b))(layer(), *a)
+    with pytest.raises(ValueError, match="leading_reqs=2 exceeds metadata.num_reqs=1"):
+        jitted(x, positions, cache, dataclasses.replace(md, leading_reqs=2))
+    with pytest.raises(ValueError, match="leading_query_len=1 disagree with metadata.query_start_loc"):
+        layer()(x, positions, cache, dataclasses.replace(md, leading_query_len=1))
+    with pytest.raises(TypeError, match="leading_reqs"):
+        layer()(x, positions, cache, dataclasses.replace(md, leading_reqs="1"))
+
+
 def test_attention_padding_tokens_and_seq_lens_bound():
     x, positions, cache, md = inputs()
     y, _, topk = layer()(x, positions, cache, dataclasses.replace(md, num_actual_tokens=T - 2))
