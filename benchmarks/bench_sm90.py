@@ -294,7 +294,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     record = records.Recorder(print, records.result_path(args.out, args.result_name), records.run_header(
         round(peak_gbps, 1), peak_tflops=round(peak_tflops, 1),
-        layout=f"per-token regions of {REGION_ROWS} rows, no row shared, index sets rotated"),
+        layout=f"per-token regions of {REGION_ROWS} rows, no row shared up to T = {NUM_REGIONS}, "
+               "index sets rotated"),
         peak_gbps)
 
     sets = index_sets(1)
