@@ -184,6 +184,7 @@ def test_builder_split_and_req_id_per_token():
     md = builder.build(_common([1, 1, 100, 300, 2], [10, 20, 200, 900, 50], pad_tokens=3))
     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (3, 2, 102)
     assert md.prefill_max_seq_len == 900
+    assert (md.leading_reqs, md.leading_query_len) == (2, 1)  # the indexer's decode-first run
     expected = np.concatenate([np.repeat(np.arange(5), [1, 1, 100, 300, 2]), [0, 0, 0]])
     np.testing.assert_array_equal(np.asarray(md.req_id_per_token), expected)
     assert (md.block_size, md.topk_tokens, md.cp_kv_cache_interleave_size) == (64, 2048, 1)
@@ -194,8 +195,18 @@ def test_builder_skips_zero_length_requests_and_runs_under_jit():
     md = jax.jit(builder.build)(_common([2, 0, 3], [5, 4, 9], host=False))
     assert (md.num_decodes, md.num_prefills, md.num_decode_tokens) == (3, 0, 5)
     np.testing.assert_array_equal(np.asarray(md.req_id_per_token), [0, 0, 2, 2, 2])
+    assert (md.leading_reqs, md.leading_query_len) == (0, 0)  # no host copy under jit
     leaves, treedef = jax.tree_util.tree_flatten(md)
     assert len(leaves) == 5  # the arrays; the ints are static aux data
+
+
+def test_builder_traces_no_loop():
+    """The request of each token is found by an unrolled search: a while loop would run outside
+    the step's CUDA graph on a GPU, one launch and copy per iteration."""
+    builder = jsm.FlashInferMLASparseMetadataBuilder(num_heads=128)
+    common = _common([2, 0, 3, 1, 7], [5, 4, 9, 2, 20], host=False)
+    text = jax.jit(builder.build).lower(common).as_text()
+    assert "stablehlo.while" not in text
 
 
 def test_builder_mixed_batch_under_jit_needs_host_copies():

@@ -231,8 +231,9 @@ def _gather_xla(index_cache, block_table, cu_seq_lens, *, num_tokens):
     # running maximum, clamped at 0. A sorted, non-negative cu_seq_lens is unchanged.
     cu_seq_lens = jax.lax.cummax(jnp.maximum(cu_seq_lens, 0), axis=0)
     row = jnp.arange(num_tokens, dtype=jnp.int32)
-    # Row n belongs to the first request r with cu[r + 1] > n (empty requests are skipped).
-    req = jnp.searchsorted(cu_seq_lens[1:], row, side="right").astype(jnp.int32)
+    # Row n belongs to the first request r with cu[r + 1] > n (empty requests are skipped); the
+    # unrolled search keeps the gather free of a while loop (see metadata.req_id_per_token).
+    req = jnp.searchsorted(cu_seq_lens[1:], row, side="right", method="scan_unrolled").astype(jnp.int32)
     req_c = jnp.minimum(req, num_reqs - 1)
     token = row - cu_seq_lens[req_c]
     block_index = token // block_size
