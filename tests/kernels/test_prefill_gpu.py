@@ -3,8 +3,10 @@
 the prompt is longer than top-k, so the indexer selects) with the native kernels ("auto") and with pure
 JAX ("xla"), over a bf16 and an fp8_ds_mla cache: the same selections on nearly every key and the same
 logits within the bf16 floor. Chunks of 1100 tokens take the fp8_ds_mla cache through the bf16
-workspace (ops/ds_mla_workspace.py, from 1024 tokens). The CPU tests of the same loop:
-tests/flax/test_prefill.py.
+workspace (ops/ds_mla_workspace.py, from 1024 tokens). A mixed step (two requests decode a token
+each while a third prefills a chunk, vLLM's decode-first order) selects with the native kernels as the
+same tokens do as a decode step and a chunk step apart, and as pure JAX does. The CPU tests of the
+same loops: tests/flax/test_prefill.py.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ import pytest
 pytest.importorskip("flax")
 
 from jax_sparse_mla.flax import DEEPSEEK_V32  # noqa: E402
-from decoder_example import assert_logits_close, build, prefill_all  # noqa: E402
+from decoder_example import assert_logits_close, build, chunk_logits, prefill_all  # noqa: E402
+from decoder_example import example as load_example  # noqa: E402
 from requirements import gpu_test_marks, sm90_skip_reason  # noqa: E402
 
 pytestmark = gpu_test_marks(sm90_skip_reason(), "the prefill GPU tests")
 
 PROMPT, CHUNK = 2600, 1100
+DECODE_CONTEXTS = (2300, 2500)  # the mixed step's decoding requests, both past top-k
 
 
 @functools.cache
@@ -62,3 +66,65 @@ def test_fp8_ds_mla_chunks_take_the_bf16_workspace():
     assert use_bf16_workspace(cache, table, num_tokens=CHUNK, num_heads=DEEPSEEK_V32.num_heads,
                               topk=DEEPSEEK_V32.index_topk, q_dtype=jnp.bfloat16,
                               implementation="auto")
+
+
+@functools.cache
+def mixed_and_apart(implementation: str):
+    """Requests 0 and 1 (contexts of 2300 and 2500 tokens, past top-k) decode one token each while
+    request 2 prefills its second chunk of 1100: (top-k per layer and logits of the mixed step, of the
+    decode step apart and of the chunk step apart), over the same caches."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    example = load_example()
+    rng = np.random.default_rng(1)
+    graphdef, state, layout, caches = build(DEEPSEEK_V32, 3, PROMPT, implementation=implementation)
+    prompts = [rng.integers(0, 512, n).astype(np.int32) for n in (*DECODE_CONTEXTS, PROMPT)]
+    for request in (0, 1):
+        *_, caches = prefill_all(DEEPSEEK_V32, graphdef, state, layout, caches, prompts[request],
+                                 request, CHUNK)
+    *_, caches = chunk_logits(DEEPSEEK_V32, graphdef, state, layout, caches, prompts[2], 2, 0, CHUNK,
+                              CHUNK)
+    decode_tokens = jnp.asarray(rng.integers(0, 512, 2), jnp.int32)
+    decode_positions = jnp.asarray(DECODE_CONTEXTS, jnp.int32)
+    chunk_positions = jnp.arange(CHUNK, 2 * CHUNK, dtype=jnp.int32)
+    run = jax.jit(lambda state, tokens, positions, caches, metadata: nnx.merge(graphdef, state)(
+        tokens, positions, caches, metadata))
+    positions = jnp.concatenate([decode_positions, chunk_positions])
+    mixed = example.step_metadata(layout, DEEPSEEK_V32, jnp.asarray([0, 1] + [2] * CHUNK, jnp.int32),
+                                  positions, [1, 1, CHUNK])
+    assert (mixed.leading_reqs, mixed.leading_query_len) == (2, 1)
+    tokens = jnp.concatenate([decode_tokens, jnp.asarray(prompts[2][CHUNK:2 * CHUNK])])
+    mixed_logits, _, mixed_topks = run(state, tokens, positions, caches, mixed)
+    decode = example.step_metadata(layout, DEEPSEEK_V32, jnp.asarray([0, 1], jnp.int32),
+                                   decode_positions, [1, 1, 0])
+    decode_logits, apart, decode_topks = run(state, decode_tokens, decode_positions, caches, decode)
+    chunk_out, chunk_topks, _ = chunk_logits(DEEPSEEK_V32, graphdef, state, layout, apart, prompts[2],
+                                             2, CHUNK, CHUNK, CHUNK)
+    as_numpy = lambda topks: [np.asarray(t) for t in topks]
+    return ((as_numpy(mixed_topks), np.asarray(mixed_logits)),
+            (as_numpy(decode_topks), np.asarray(decode_logits)),
+            (as_numpy(chunk_topks), np.asarray(chunk_out)))
+
+
+def test_mixed_step_selects_as_decode_and_chunk_apart():
+    """Layer 0's selection depends on the embeddings alone: the mixed step's decode rows are the
+    decode step's and its chunk rows the chunk step's, exactly (the decode tokens through the paged
+    logits, the chunk over its own request's keys in both); the logits agree within the bf16 floor."""
+    (mixed_topks, mixed_logits), (decode_topks, decode_logits), (chunk_topks, chunk_logits_apart) = (
+        mixed_and_apart("auto"))
+    np.testing.assert_array_equal(mixed_topks[0][:2], decode_topks[0])
+    np.testing.assert_array_equal(mixed_topks[0][2:], chunk_topks[0])
+    assert_logits_close(mixed_logits[:2], decode_logits, rtol=3e-2)
+    assert_logits_close(mixed_logits[2:], chunk_logits_apart, rtol=3e-2)
+
+
+def test_mixed_step_native_matches_pure_jax():
+    (topks, logits), *_ = mixed_and_apart("auto")
+    (topks_ref, logits_ref), *_ = mixed_and_apart("xla")
+    for layer, reference in zip(topks, topks_ref):
+        overlap = np.mean([len(np.intersect1d(a[a >= 0], b[b >= 0])) / max((b >= 0).sum(), 1)
+                           for a, b in zip(layer, reference)])
+        assert overlap > 0.99, overlap
+    assert_logits_close(logits, logits_ref, rtol=3e-2)
