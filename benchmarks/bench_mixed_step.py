@@ -127,6 +127,7 @@ def main() -> None:
                   f"{apart['us'] / 1e3:.2f} ms {clock} ({apart['wall_us'] / 1e3:.2f} wall)",
                   flush=True)
     if args.out:
+        os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, f"mixed_step_{header['card']}.json"), "w") as f:
             json.dump(dict(header, rows=rows), f, indent=1)
 
