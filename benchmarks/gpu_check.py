@@ -59,7 +59,8 @@ EXAMPLE = ["--preset", "deepseek-v3.2", "--layers", "4", "--fill-context"]
 # (batch, context, implementations): README's decode shapes.
 EXAMPLE_SHAPES = ((32, 65536, ("auto", "xla", "native")), (1, 131072, ("auto", "xla")),
                   (128, 8192, ("auto", "xla")))
-EXAMPLE_STEPS = 16  # --new-tokens: the first step compiles, the other 15 are timed
+EXAMPLE_STEPS = 65  # --new-tokens: the first step compiles, the other 64 are timed (and 64 traced);
+# over 15 the loop's start and final wait were 7-10% of the wall time (docs/benchmarks.md)
 
 
 class Log:
