@@ -127,12 +127,16 @@ def test_mixed_step_selects_as_decode_and_chunk_apart():
     the paged logits, the chunk over its own request's keys in both). Not bit for bit: the
     projections are GEMMs over 1102 tokens in one step and 2 or 1100 in the others, which cuBLAS
     rounds differently, so a near tie at the 2048th score can fall either way (on an H100 one position
-    of a decode row did); every row keeps 99% of its positions. The logits agree within 1%."""
+    of a decode row did); every row keeps 99% of its positions. The logits agree within 3%: the same
+    rounding moves the decode rows' logits by 0.8% in pure JAX on a CPU (3 of 2048 positions of
+    layer 1's selection flipped), by 1.7% with the native kernels on an H100; a row routed wrong
+    (another request's context, the chunk's keys) moves them by their whole size. The chunk rows
+    (GEMMs over 1102 and 1100 tokens) agree within 1%, and did on the H100."""
     (mixed_topks, mixed_logits), (decode_topks, decode_logits), (chunk_topks, chunk_logits_apart) = (
         mixed_and_apart("auto"))
     assert selection_overlap(mixed_topks[0][:2], decode_topks[0]) > 0.99
     assert selection_overlap(mixed_topks[0][2:], chunk_topks[0]) > 0.99
-    assert relative_error(mixed_logits[:2], decode_logits) < 1e-2
+    assert relative_error(mixed_logits[:2], decode_logits) < 3e-2
     assert relative_error(mixed_logits[2:], chunk_logits_apart) < 1e-2
 
 
