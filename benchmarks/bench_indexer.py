@@ -20,8 +20,10 @@ next_n = 1, H = 64, k = 2048):
           `sm90_topk_cluster`, one row per cluster): they show where "auto"'s shape rule comes from
   cub     with --cub, beside the topk rows: CUB's batched top-k (cub::DeviceBatchedTopK, CCCL 3.6,
           what FlashInfer's top_k runs for fp32 rows at most of these shapes) on rows of the same
-          B x L, k = 2048, in its two modes: "cub" (FlashInfer's default: ties unspecified) and
-          "cub_lower" (deterministic, ties to the lower position: our set, unsorted). The benchmark
+          B x L, k = 2048, in three modes: "cub" (FlashInfer's default: ties unspecified),
+          "cub_lower" (deterministic, ties to the lower position: our set, unsorted) and
+          "cub_ascending" (cub_lower, then a kernel that sorts each row's k positions: our output,
+          what calling CUB for our op would cost). The benchmark
           compiles benchmarks/cub_topk.cu with nvcc against the CCCL headers of FlashInfer's data/
           folder (FLASHINFER_DATA_DIR, else found or fetched as ffi/flashinfer_headers.py does for
           the build) into a temporary folder and runs it per decode point: normal fp32 rows, lengths
@@ -172,7 +174,7 @@ def skipped(log, what, error):
 CUB_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cub_topk.cu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cub_topk's mode name -> the backend name of its rows.
-CUB_BACKENDS = {"default": "cub", "ties_to_lower": "cub_lower"}
+CUB_BACKENDS = {"default": "cub", "ties_to_lower": "cub_lower", "ascending": "cub_ascending"}
 CUB_INT_FIELDS = ("rows", "width", "k", "calls", "ws_bytes")
 CUB_FLOAT_FIELDS = ("us", "min_us", "max_us")
 

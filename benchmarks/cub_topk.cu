@@ -4,17 +4,20 @@
 //
 // It calls CUB the way FlashInfer 0.7.2's ragged transform does: fp32 rows read through a strided
 // iterator, per-row lengths read on the device (a deferred sequence), values = positions, keys
-// discarded, k immediate, unsorted output. Two requirement sets ("modes"):
+// discarded, k immediate, unsorted output. Three modes:
 //   default        FlashInfer's: determinism::not_guaranteed, tie_break::unspecified
 //   ties_to_lower  determinism::gpu_to_gpu, tie_break::prefer_smaller_index (our selection rule,
 //                  without our ascending order)
+//   ascending      ties_to_lower, then each row's k positions sorted ascending by a second kernel
+//                  (one CTA a row, cub::BlockRadixSort over the bits of the row width): our whole
+//                  output contract, what a library calling CUB for our op would run (k <= 4096)
 //
 // Timing: one CUDA graph of --calls calls over --inputs distinct inputs (input i = input 0 * 2^i: the
 // same order, every mantissa bit kept), replayed --reps times and timed with CUDA events; reported per
 // call: the median, min and max over the replays.
 // Check: before and after the timing, the output set of the first --check-rows rows against a host
 // top-k: in ties_to_lower mode the set of positions must equal the host's (ties to the lower
-// position); in default mode (ties unspecified) the selected values must equal the k largest values
+// position), and in ascending mode come in ascending order as well; in default mode (ties unspecified) the selected values must equal the k largest values
 // as a multiset, with distinct in-range positions.
 //
 // Usage: cub_topk [-k 2048] [--calls 50] [--inputs 4] [--reps 7] [--check-rows 4] [--seed 1234]
@@ -33,6 +36,7 @@
 #include <cuda/__execution/require.h>
 #include <cuda/__execution/tie_break.h>
 #include <cuda/std/__execution/env.h>
+#include <cub/block/block_radix_sort.cuh>
 #include <cub/device/device_batched_topk.cuh>
 #include <cuda/argument>
 #include <cuda/iterator>
@@ -87,6 +91,37 @@ cudaError_t batched_topk(void* workspace, size_t& workspace_bytes, const float* 
                                           segment_sizes, k_arg, num_segments, env);
 }
 
+// The ascending mode's second kernel: row blockIdx.x's k positions sorted ascending in place. Positions
+// are below 2^end_bit (the row width's bits), so the radix sort covers only those bits; the slots past k
+// hold the largest such value and sort last.
+constexpr int kSortThreads = 512;
+constexpr int kSortItems = 8;
+constexpr int64_t kMaxSortedK = int64_t{kSortThreads} * kSortItems;
+
+__global__ void __launch_bounds__(kSortThreads) sort_rows(int32_t* positions, int64_t k, int end_bit) {
+  using BlockSort = cub::BlockRadixSort<uint32_t, kSortThreads, kSortItems>;
+  __shared__ typename BlockSort::TempStorage temp;
+  uint32_t* row = reinterpret_cast<uint32_t*>(positions) + blockIdx.x * k;
+  const uint32_t pad = (uint32_t{1} << end_bit) - 1u;
+  uint32_t items[kSortItems];
+  for (int i = 0; i < kSortItems; ++i) {
+    const int64_t slot = int64_t{threadIdx.x} * kSortItems + i;  // blocked: thread t holds t*8 .. t*8+7
+    items[i] = slot < k ? row[slot] : pad;
+  }
+  BlockSort(temp).Sort(items, 0, end_bit);
+  for (int i = 0; i < kSortItems; ++i) {
+    const int64_t slot = int64_t{threadIdx.x} * kSortItems + i;
+    if (slot < k) row[slot] = items[i];
+  }
+}
+
+// Bits that hold every position of a row of `width`.
+int position_bits(int64_t width) {
+  int bits = 1;
+  while ((int64_t{1} << bits) < width) ++bits;
+  return bits;
+}
+
 struct Options {
   int64_t k = 2048;
   int calls = 50;
@@ -107,9 +142,11 @@ std::vector<int32_t> host_topk(const float* row, int64_t width, int64_t k) {
   return order;
 }
 
-// Whether `got` (k positions of one row) is a correct selection for `want` (the host's).
+// Whether `got` (k positions of one row) is a correct selection for `want` (the host's), in ascending
+// order where `ascending`.
 bool selection_ok(const float* row, int64_t width, std::vector<int32_t> got, std::vector<int32_t> want,
-                  bool ties_to_lower) {
+                  bool ties_to_lower, bool ascending) {
+  if (ascending && !std::is_sorted(got.begin(), got.end())) return false;
   std::sort(got.begin(), got.end());
   if (std::adjacent_find(got.begin(), got.end()) != got.end()) return false;  // a position twice
   if (got.front() < 0 || got.back() >= width) return false;
@@ -132,8 +169,10 @@ struct Result {
   size_t workspace_bytes;
 };
 
+// One mode's calls: CUB's top-k, followed by sort_rows where `ascending`.
 template <typename Requirements>
-Result bench_mode(Requirements requirements, bool ties_to_lower, const Options& opt, int64_t rows, int64_t width,
+Result bench_mode(Requirements requirements, bool ties_to_lower, bool ascending, const Options& opt, int64_t rows,
+                  int64_t width,
                   const std::vector<float>& host_scores, const std::vector<float*>& inputs,
                   const std::vector<std::vector<int32_t>>& reference, int32_t* positions, const int32_t* lengths,
                   cudaStream_t stream) {
@@ -142,6 +181,15 @@ Result bench_mode(Requirements requirements, bool ties_to_lower, const Options& 
   CUDA_OK(batched_topk(nullptr, workspace_bytes, inputs[0], positions, lengths, rows, width, k, requirements, stream));
   void* workspace = nullptr;
   CUDA_OK(cudaMalloc(&workspace, std::max<size_t>(workspace_bytes, 1)));
+  const int end_bit = position_bits(width);
+  auto call = [&](const float* scores) {
+    CUDA_OK(batched_topk(workspace, workspace_bytes, scores, positions, lengths, rows, width, k, requirements,
+                         stream));
+    if (ascending) {
+      sort_rows<<<static_cast<unsigned>(rows), kSortThreads, 0, stream>>>(positions, k, end_bit);
+      CUDA_OK(cudaGetLastError());
+    }
+  };
 
   // The output of the last call is compared with the host's top-k of input 0 (every input has its order).
   auto check = [&]() {
@@ -151,23 +199,22 @@ Result bench_mode(Requirements requirements, bool ties_to_lower, const Options& 
     CUDA_OK(cudaMemcpy(out.data(), positions, out.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
     for (int64_t r = 0; r < checked; ++r) {
       std::vector<int32_t> got(out.begin() + r * k, out.begin() + (r + 1) * k);
-      if (!selection_ok(host_scores.data() + r * width, width, got, reference[r], ties_to_lower)) return false;
+      if (!selection_ok(host_scores.data() + r * width, width, got, reference[r], ties_to_lower, ascending)) {
+        return false;
+      }
     }
     return true;
   };
 
   CUDA_OK(cudaMemsetAsync(positions, 0xff, rows * k * sizeof(int32_t), stream));
-  CUDA_OK(batched_topk(workspace, workspace_bytes, inputs[0], positions, lengths, rows, width, k, requirements,
-                       stream));
+  call(inputs[0]);
   bool ok = check();
 
   // One graph of opt.calls calls, rotating over the inputs.
   cudaGraph_t graph;
   cudaGraphExec_t graph_exec;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int c = 0; c < opt.calls; ++c)
-    CUDA_OK(batched_topk(workspace, workspace_bytes, inputs[c % inputs.size()], positions, lengths, rows, width, k,
-                         requirements, stream));
+  for (int c = 0; c < opt.calls; ++c) call(inputs[c % inputs.size()]);
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   CUDA_OK(cudaGraphInstantiate(&graph_exec, graph, 0));
 
@@ -197,7 +244,7 @@ Result bench_mode(Requirements requirements, bool ties_to_lower, const Options& 
   return Result{per_call_us[per_call_us.size() / 2], per_call_us.front(), per_call_us.back(), ok, workspace_bytes};
 }
 
-// Both modes at one shape; returns false when a check failed.
+// Every mode at one shape (ascending where k <= kMaxSortedK); returns false when a check failed.
 bool bench_shape(const Options& opt, int64_t rows, int64_t width) {
   namespace ex = cuda::execution;
   const int64_t k = opt.k;
@@ -237,18 +284,26 @@ bool bench_shape(const Options& opt, int64_t rows, int64_t width) {
   };
   const Result fast = bench_mode(
       ex::require(ex::determinism::not_guaranteed, ex::tie_break::unspecified, ex::output_ordering::unsorted),
-      false, opt, rows, width, host_scores, inputs, reference, positions, lengths, stream);
+      false, false, opt, rows, width, host_scores, inputs, reference, positions, lengths, stream);
   report("default", fast);
-  const Result exact = bench_mode(
-      ex::require(ex::determinism::gpu_to_gpu, ex::tie_break::prefer_smaller_index, ex::output_ordering::unsorted),
-      true, opt, rows, width, host_scores, inputs, reference, positions, lengths, stream);
+  const auto exact_requirements =
+      ex::require(ex::determinism::gpu_to_gpu, ex::tie_break::prefer_smaller_index, ex::output_ordering::unsorted);
+  const Result exact = bench_mode(exact_requirements, true, false, opt, rows, width, host_scores, inputs, reference,
+                                  positions, lengths, stream);
   report("ties_to_lower", exact);
+  bool sorted_ok = true;
+  if (k <= kMaxSortedK) {
+    const Result sorted = bench_mode(exact_requirements, true, true, opt, rows, width, host_scores, inputs, reference,
+                                     positions, lengths, stream);
+    report("ascending", sorted);
+    sorted_ok = sorted.check_ok;
+  }
 
   for (float* p : inputs) CUDA_OK(cudaFree(p));
   CUDA_OK(cudaFree(positions));
   CUDA_OK(cudaFree(lengths));
   CUDA_OK(cudaStreamDestroy(stream));
-  return fast.check_ok && exact.check_ok;
+  return fast.check_ok && exact.check_ok && sorted_ok;
 }
 
 [[noreturn]] void usage(const char* message) {

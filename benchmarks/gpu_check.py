@@ -185,11 +185,13 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
             lines.append(f"    {batch:3d} x {context:6d}: " + ", ".join(cells))
         cub = [r for r in indexer if r["backend"] == "cub_lower"]
         if cub:
-            lines.append("  top-k (us; auto / CUB ties to the lower index / CUB default):")
+            lines.append("  top-k (us; auto / CUB ties to the lower index / CUB default / CUB ties to "
+                         "the lower index, then sorted ascending):")
             for r in cub:
                 key = (r["B"], r["context"])
                 lines.append(f"    {key[0]:3d} x {key[1]:6d}: {_us(pick.get(('topk', 'auto', *key)))} / "
-                             f"{_us(r['us'])} / {_us(pick.get(('topk', 'cub', *key)))}")
+                             f"{_us(r['us'])} / {_us(pick.get(('topk', 'cub', *key)))} / "
+                             f"{_us(pick.get(('topk', 'cub_ascending', *key)))}")
     attention = rows(os.path.join(out, f"sm90_{card}.json"))
     attention += rows(os.path.join(out, f"sm90_prefill_{card}.json"))
     if attention:

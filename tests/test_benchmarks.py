@@ -255,6 +255,8 @@ def test_cub_result_lines_are_parsed():
     assert row == dict(mode="ties_to_lower", backend="cub_lower", rows=32, width=65536, k=2048,
                        us=23.81, min_us=23.79, max_us=23.88, calls=50, check="FAIL", ws_bytes=1)
     assert bench.parse_cub_line(_CUB_LINES.splitlines()[0])["backend"] == "cub"
+    assert bench.parse_cub_line("cub_topk mode=ascending rows=1 width=8192 k=2048 us=9.5")["backend"] == (
+        "cub_ascending")
     assert bench.parse_cub_line("building CUB's batched top-k: nvcc ...") is None
     assert bench.parse_cub_line("cub_topk: no shape given") is None
 
@@ -317,7 +319,8 @@ def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path
     gpu_check = _benchmark_module("gpu_check")
     rows = [dict(op="topk", backend="auto", B=32, context=65536, us=24.7),
             dict(op="topk", backend="cub_lower", B=32, context=65536, us=23.9),
-            dict(op="topk", backend="cub", B=32, context=65536, us=23.6)]
+            dict(op="topk", backend="cub", B=32, context=65536, us=23.6),
+            dict(op="topk", backend="cub_ascending", B=32, context=65536, us=27.1)]
     (tmp_path / "indexer_h100.json").write_text(json.dumps(dict(rows=rows)))
     state = dict(device="H100", minutes=1.0, steps={"example": dict(status=0, seconds=9)},
                  example=[dict(implementation="auto", batch=32, context=65536, status=0,
@@ -326,7 +329,7 @@ def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path
                                wall_ms=8.0, device_ms=8.0),
                           dict(implementation="auto", batch=1, context=131072, status=1)])
     text = "\n".join(gpu_check.summary_lines(str(tmp_path), "h100", state))
-    assert "32 x  65536: 24.7 / 23.9 / 23.6" in text
+    assert "32 x  65536: 24.7 / 23.9 / 23.6 / 27.1" in text
     assert "32 x  65536 auto     2.00   1.60  1.25x    16,000" in text
     assert "1 x 131072 auto   failed (exit 1" in text
     assert "32 x 65536: auto / pure JAX 4.00x tokens/s (wall), 5.00x (kernels)" in text
