@@ -17,8 +17,9 @@
 // call: the median, min and max over the replays.
 // Check: before and after the timing, the output set of the first --check-rows rows against a host
 // top-k: in ties_to_lower mode the set of positions must equal the host's (ties to the lower
-// position), and in ascending mode come in ascending order as well; in default mode (ties unspecified) the selected values must equal the k largest values
-// as a multiset, with distinct in-range positions.
+// position), and in ascending mode come in ascending order as well; in default mode (ties
+// unspecified) the selected values must equal the k largest values as a multiset, with distinct
+// in-range positions.
 //
 // Usage: cub_topk [-k 2048] [--calls 50] [--inputs 4] [--reps 7] [--check-rows 4] [--seed 1234]
 //                 ROWSxWIDTH [ROWSxWIDTH ...]
@@ -172,8 +173,7 @@ struct Result {
 // One mode's calls: CUB's top-k, followed by sort_rows where `ascending`.
 template <typename Requirements>
 Result bench_mode(Requirements requirements, bool ties_to_lower, bool ascending, const Options& opt, int64_t rows,
-                  int64_t width,
-                  const std::vector<float>& host_scores, const std::vector<float*>& inputs,
+                  int64_t width, const std::vector<float>& host_scores, const std::vector<float*>& inputs,
                   const std::vector<std::vector<int32_t>>& reference, int32_t* positions, const int32_t* lengths,
                   cudaStream_t stream) {
   const int64_t k = opt.k;

@@ -3,7 +3,7 @@
 Run under Nsight Compute, which times each kernel on its own (no launch gaps, no dispatch):
 
     ncu --clock-control none --metrics gpu__time_duration.sum \
-        --kernel-name regex:"BatchMLAPageAttentionHopper|PackAndClamp|SparseMla|MergeSplits|sparse" \
+        --kernel-name regex:"BatchMLAPageAttentionHopper|PackAndClamp|SparseMla|MergeSplits|sparse|mla_combine" \
         python benchmarks/kernel_times_sm90.py [--shapes 8x16 128x16 128x128] [--kv-dtype fp8] \
         [--calls 3] [--flashmla] > kernel_times.csv  # with ncu's --csv
     python benchmarks/kernel_times_sm90.py --summarize kernel_times.csv
