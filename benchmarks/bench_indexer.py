@@ -29,8 +29,9 @@ next_n = 1, H = 64, k = 2048):
           the build) into a temporary folder and runs it per decode point: normal fp32 rows, lengths
           read on the device, --cub-calls calls in one CUDA graph over 4 inputs, timed with CUDA
           events (per-call time of the graph, median of 7 replays), the selected set checked against
-          a host top-k. Without nvcc or the headers it says so and skips CUB. Never imported by, and
-          no dependency of, the package.
+          a host top-k. The prefill rows get the same three (--causal: the same row lengths, 6
+          calls over 2 inputs). Without nvcc or the headers it says so and skips CUB. Never
+          imported by, and no dependency of, the package.
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
           "xla"
   GB/s counts the bytes the op must move at least: logits the fp8 keys, 132 bytes per cached token
@@ -293,11 +294,12 @@ def parse_cub_line(line):
     return fields
 
 
-def run_cub(binary, batch, context, calls):
-    """cub_topk's rows (parse_cub_line) for B x L rows, k = TOP_K, both modes. Raises
-    RuntimeError when it fails (a check failing still gives its rows, check=FAIL)."""
-    command = [binary, "-k", str(TOP_K), "--calls", str(calls), "--inputs", str(DECODE_SETS),
-               f"{batch}x{context}"]
+def run_cub(binary, rows, width, calls, inputs=DECODE_SETS, causal=False):
+    """cub_topk's rows (parse_cub_line) for `rows` rows of `width`, k = TOP_K, every mode; causal:
+    row i holds width - rows + 1 + i positions (the prefill rows). Raises RuntimeError when it
+    fails (a check failing still gives its rows, check=FAIL)."""
+    command = [binary, "-k", str(TOP_K), "--calls", str(calls), "--inputs", str(inputs),
+               *(["--causal"] if causal else []), f"{rows}x{width}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     rows = [row for row in map(parse_cub_line, result.stdout.splitlines()) if row is not None]
     if result.returncode not in (0, 3) or not rows:
@@ -306,21 +308,20 @@ def run_cub(binary, batch, context, calls):
     return rows
 
 
-def bench_cub(batch, context, cub, record):
-    """CUB's rows at one decode point, beside ours: cub = (binary, calls)."""
-    binary, calls = cub
-    nbytes = batch * context * 4 + batch * TOP_K * 4
+def bench_cub(cub, record, op, label, nbytes, *, rows, width, calls, inputs=DECODE_SETS,
+              causal=False, **shape):
+    """CUB's rows (every mode) beside ours: cub = (binary, calls per graph at decode); op, label
+    ("B=... L=..."), nbytes and shape as ours at that point; rows x width, causal: run_cub's."""
     try:
-        rows = run_cub(binary, batch, context, calls)
+        results = run_cub(cub[0], rows, width, calls, inputs=inputs, causal=causal)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
         skipped(record.log, "cub", error)
         return
-    for row in rows:
+    for row in results:
         spread = (row["max_us"] - row["min_us"]) / row["us"] if row.get("max_us") and row["us"] else None
-        record.add(f"{'topk':14s} {row['backend']:9s} B={batch:4d} L={context:6d}",
-                   dict(us=row["us"], spread=spread), nbytes, op="topk", backend=row["backend"],
-                   B=batch, context=context, cub_mode=row["mode"], check=row.get("check"),
-                   timing="cuda_graph_events", ws_bytes=row.get("ws_bytes"))
+        record.add(f"{op:14s} {row['backend']:9s} {label}", dict(us=row["us"], spread=spread),
+                   nbytes, op=op, backend=row["backend"], **shape, cub_mode=row["mode"],
+                   check=row.get("check"), timing="cuda_graph_events", ws_bytes=row.get("ws_bytes"))
         if row.get("check") != "ok":
             record.log(f"    cub {row['mode']}: the selected set differs from the host top-k "
                        f"(check={row.get('check')})")
@@ -398,7 +399,7 @@ def bench_decode(batch, context, backends, calls, timer, record):
                        backend="torch", **shape)
 
 
-def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREFILL_ROWS):
+def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREFILL_ROWS, cub=None):
     q, k_fp8, k_scale, weights, starts, ends = make_prefill_inputs(num_rows, num_keys)
     shared = (k_fp8, k_scale, weights, starts, ends)
     products = float(np.sum(np.asarray(ends - starts, np.float64)))
@@ -437,6 +438,10 @@ def bench_prefill(num_keys, backends, timer, record, xla_max_keys, num_rows=PREF
                            context=num_keys, M=num_rows)
         except (ValueError, RuntimeError) as error:
             skipped(record.log, backend, error)
+    if cub is not None:  # the same causal rows; 2 inputs of 1-2 GB, 6 calls a graph
+        bench_cub(cub, record, "prefill_topk", f"M={num_rows:4d} N={num_keys:6d}", logits_bytes,
+                  rows=num_rows, width=num_keys, calls=PREFILL_CALLS, inputs=PREFILL_SETS,
+                  causal=True, B=1, context=num_keys, M=num_rows)
     if "torch" in backends and score_sets is not None:
         seconds = torch_topk_seconds(score_sets, PREFILL_CALLS)
         if seconds is not None:
@@ -514,11 +519,14 @@ def main(argv=None):
             for context in args.context:
                 bench_decode(batch, context, args.backends, args.calls, device_times, record)
                 if cub is not None:  # CUB's rows right after ours at the same point
-                    bench_cub(batch, context, cub, record)
+                    bench_cub(cub, record, "topk", f"B={batch:4d} L={context:6d}",
+                              batch * context * 4 + batch * TOP_K * 4, rows=batch, width=context,
+                              calls=cub[1], B=batch, context=context)
         if cub is not None:
             topk_table(record.rows, print)
-    for num_keys in args.prefill_keys:
-        bench_prefill(num_keys, args.backends, device_times, record, args.xla_prefill_max_keys)
+        for num_keys in args.prefill_keys:
+            bench_prefill(num_keys, args.backends, device_times, record, args.xla_prefill_max_keys,
+                          cub=cub)
     elapsed = time.perf_counter() - start
     record.save(seconds=round(elapsed))
     print(f"benchmark took {elapsed:.0f} s; wrote {record.path}")

@@ -22,7 +22,7 @@
 // in-range positions.
 //
 // Usage: cub_topk [-k 2048] [--calls 50] [--inputs 4] [--reps 7] [--check-rows 4] [--seed 1234]
-//                 ROWSxWIDTH [ROWSxWIDTH ...]
+//                 [--causal] ROWSxWIDTH [ROWSxWIDTH ...]
 // Output, one line per (shape, mode), machine-readable (space-separated key=value after the tag):
 //   cub_topk mode=default rows=32 width=65536 k=2048 us=23.61 min_us=23.58 max_us=23.66 calls=50
 //            check=ok ws_bytes=1
@@ -130,6 +130,7 @@ struct Options {
   int reps = 7;
   int64_t check_rows = 4;
   unsigned seed = 1234;
+  bool causal = false;  // row r holds width - rows + 1 + r positions (a prefill chunk's last rows)
   std::vector<std::pair<int64_t, int64_t>> shapes;  // (rows, width)
 };
 
@@ -145,12 +146,12 @@ std::vector<int32_t> host_topk(const float* row, int64_t width, int64_t k) {
 
 // Whether `got` (k positions of one row) is a correct selection for `want` (the host's), in ascending
 // order where `ascending`.
-bool selection_ok(const float* row, int64_t width, std::vector<int32_t> got, std::vector<int32_t> want,
+bool selection_ok(const float* row, int64_t length, std::vector<int32_t> got, std::vector<int32_t> want,
                   bool ties_to_lower, bool ascending) {
   if (ascending && !std::is_sorted(got.begin(), got.end())) return false;
   std::sort(got.begin(), got.end());
   if (std::adjacent_find(got.begin(), got.end()) != got.end()) return false;  // a position twice
-  if (got.front() < 0 || got.back() >= width) return false;
+  if (got.front() < 0 || got.back() >= length) return false;
   if (ties_to_lower) {
     std::sort(want.begin(), want.end());
     return got == want;
@@ -174,8 +175,8 @@ struct Result {
 template <typename Requirements>
 Result bench_mode(Requirements requirements, bool ties_to_lower, bool ascending, const Options& opt, int64_t rows,
                   int64_t width, const std::vector<float>& host_scores, const std::vector<float*>& inputs,
-                  const std::vector<std::vector<int32_t>>& reference, int32_t* positions, const int32_t* lengths,
-                  cudaStream_t stream) {
+                  const std::vector<std::vector<int32_t>>& reference, const std::vector<int32_t>& host_lengths,
+                  int32_t* positions, const int32_t* lengths, cudaStream_t stream) {
   const int64_t k = opt.k;
   size_t workspace_bytes = 0;
   CUDA_OK(batched_topk(nullptr, workspace_bytes, inputs[0], positions, lengths, rows, width, k, requirements, stream));
@@ -199,7 +200,7 @@ Result bench_mode(Requirements requirements, bool ties_to_lower, bool ascending,
     CUDA_OK(cudaMemcpy(out.data(), positions, out.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
     for (int64_t r = 0; r < checked; ++r) {
       std::vector<int32_t> got(out.begin() + r * k, out.begin() + (r + 1) * k);
-      if (!selection_ok(host_scores.data() + r * width, width, got, reference[r], ties_to_lower, ascending)) {
+      if (!selection_ok(host_scores.data() + r * width, host_lengths[r], got, reference[r], ties_to_lower, ascending)) {
         return false;
       }
     }
@@ -269,32 +270,35 @@ bool bench_shape(const Options& opt, int64_t rows, int64_t width) {
   CUDA_OK(cudaMalloc(&positions, rows * k * sizeof(int32_t)));
   CUDA_OK(cudaMalloc(&lengths, rows * sizeof(int32_t)));
   std::vector<int32_t> host_lengths(rows, static_cast<int32_t>(width));  // every row whole
+  if (opt.causal)
+    for (int64_t r = 0; r < rows; ++r) host_lengths[r] = static_cast<int32_t>(width - rows + 1 + r);
   CUDA_OK(cudaMemcpy(lengths, host_lengths.data(), rows * sizeof(int32_t), cudaMemcpyHostToDevice));
 
   std::vector<std::vector<int32_t>> reference;
   for (int64_t r = 0; r < std::min(rows, opt.check_rows); ++r)
-    reference.push_back(host_topk(host_scores.data() + r * width, width, k));
+    reference.push_back(host_topk(host_scores.data() + r * width, host_lengths[r], k));
 
   auto report = [&](const char* mode, const Result& res) {
-    std::printf("cub_topk mode=%s rows=%lld width=%lld k=%lld us=%.3f min_us=%.3f max_us=%.3f calls=%d check=%s "
+    std::printf("cub_topk mode=%s rows=%lld width=%lld causal=%d k=%lld us=%.3f min_us=%.3f max_us=%.3f calls=%d check=%s "
                 "ws_bytes=%zu\n",
-                mode, static_cast<long long>(rows), static_cast<long long>(width), static_cast<long long>(k),
+                mode, static_cast<long long>(rows), static_cast<long long>(width), opt.causal ? 1 : 0,
+                static_cast<long long>(k),
                 res.median_us, res.min_us, res.max_us, opt.calls, res.check_ok ? "ok" : "FAIL", res.workspace_bytes);
     std::fflush(stdout);
   };
   const Result fast = bench_mode(
       ex::require(ex::determinism::not_guaranteed, ex::tie_break::unspecified, ex::output_ordering::unsorted),
-      false, false, opt, rows, width, host_scores, inputs, reference, positions, lengths, stream);
+      false, false, opt, rows, width, host_scores, inputs, reference, host_lengths, positions, lengths, stream);
   report("default", fast);
   const auto exact_requirements =
       ex::require(ex::determinism::gpu_to_gpu, ex::tie_break::prefer_smaller_index, ex::output_ordering::unsorted);
   const Result exact = bench_mode(exact_requirements, true, false, opt, rows, width, host_scores, inputs, reference,
-                                  positions, lengths, stream);
+                                  host_lengths, positions, lengths, stream);
   report("ties_to_lower", exact);
   bool sorted_ok = true;
   if (k <= kMaxSortedK) {
     const Result sorted = bench_mode(exact_requirements, true, true, opt, rows, width, host_scores, inputs, reference,
-                                     positions, lengths, stream);
+                                     host_lengths, positions, lengths, stream);
     report("ascending", sorted);
     sorted_ok = sorted.check_ok;
   }
@@ -309,7 +313,7 @@ bool bench_shape(const Options& opt, int64_t rows, int64_t width) {
 [[noreturn]] void usage(const char* message) {
   std::fprintf(stderr,
                "cub_topk: %s\nusage: cub_topk [-k K] [--calls N] [--inputs N] [--reps N] [--check-rows N] "
-               "[--seed S] ROWSxWIDTH [ROWSxWIDTH ...]\n",
+               "[--seed S] [--causal] ROWSxWIDTH [ROWSxWIDTH ...]\n",
                message);
   std::exit(1);
 }
@@ -323,6 +327,7 @@ Options parse(int argc, char** argv) {
       return std::atoll(argv[++i]);
     };
     if (arg == "-k" || arg == "--k") opt.k = value();
+    else if (arg == "--causal") opt.causal = true;
     else if (arg == "--calls") opt.calls = static_cast<int>(value());
     else if (arg == "--inputs") opt.inputs = static_cast<int>(value());
     else if (arg == "--reps") opt.reps = static_cast<int>(value());
@@ -339,7 +344,8 @@ Options parse(int argc, char** argv) {
   if (opt.shapes.empty()) usage("no shape given");
   if (opt.calls < 1 || opt.inputs < 1 || opt.inputs > 24 || opt.reps < 1 || opt.k < 1) usage("bad option value");
   for (auto [rows, width] : opt.shapes)
-    if (width < opt.k || width > (int64_t{1} << 21)) usage("every width must be in [k, 2^21]");
+    if (width - (opt.causal ? rows - 1 : 0) < opt.k || width > (int64_t{1} << 21))
+      usage("every row's length must be in [k, 2^21]");
   return opt;
 }
 

@@ -273,7 +273,8 @@ def test_cub_rows_are_recorded_beside_ours(tmp_path):
     lines = []
     record = records.Recorder(lines.append)
     record.rows.append(dict(op="topk", backend="auto", B=32, context=65536, us=30.1))
-    bench.bench_cub(32, 65536, (str(fake), 50), record)
+    bench.bench_cub((str(fake), 50), record, "topk", "B=  32 L= 65536", 0, rows=32, width=65536,
+                    calls=50, B=32, context=65536)
     assert (tmp_path / "args").read_text().split() == ["-k", "2048", "--calls", "50", "--inputs", "4",
                                                        "32x65536"]
     cub = [r for r in record.rows if r["backend"].startswith("cub")]
@@ -285,6 +286,25 @@ def test_cub_rows_are_recorded_beside_ours(tmp_path):
     bench.topk_table(record.rows, lines.append)
     assert lines[1].split() == ["B", "x", "L", "auto", "cub", "cub_lower"]
     assert lines[2].split() == ["32", "x", "65536", "30.1", "23.6", "23.8"]
+
+
+def test_cub_prefill_rows_use_the_causal_lengths(tmp_path):
+    """On the prefill rows CUB runs with --causal (row i holds N - M + 1 + i positions, as ours) and
+    its rows are recorded as prefill_topk rows of that M x N."""
+    bench = _benchmark_module("bench_indexer")
+    records = _benchmark_module("records")
+    fake = tmp_path / "cub_topk"
+    fake.write_text("#!/bin/sh\necho \"$@\" > " + str(tmp_path / "args") + "\necho 'cub_topk mode=ascending "
+                    "rows=4096 width=65536 causal=1 k=2048 us=300.5 check=ok'\n")
+    fake.chmod(0o755)
+    record = records.Recorder(lambda line: None)
+    bench.bench_cub((str(fake), 50), record, "prefill_topk", "M=4096 N= 65536", 0, rows=4096,
+                    width=65536, calls=6, inputs=2, causal=True, B=1, context=65536, M=4096)
+    assert (tmp_path / "args").read_text().split() == ["-k", "2048", "--calls", "6", "--inputs", "2",
+                                                       "--causal", "4096x65536"]
+    [row] = record.rows
+    assert (row["op"], row["backend"], row["M"], row["context"], row["us"], row["check"]) == (
+        "prefill_topk", "cub_ascending", 4096, 65536, 300.5, "ok")
 
 
 def test_cub_is_skipped_without_nvcc(monkeypatch, tmp_path):
