@@ -189,9 +189,11 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
                          "the lower index, then sorted ascending):")
             for r in cub:
                 key = (r["B"], r["context"])
-                lines.append(f"    {key[0]:3d} x {key[1]:6d}: {_us(pick.get(('topk', 'auto', *key)))} / "
-                             f"{_us(r['us'])} / {_us(pick.get(('topk', 'cub', *key)))} / "
-                             f"{_us(pick.get(('topk', 'cub_ascending', *key)))}")
+                shape = (f"prefill {r['M']} x {key[1]:6d}" if r["op"] == "prefill_topk"
+                         else f"{key[0]:3d} x {key[1]:6d}")
+                lines.append(f"    {shape}: {_us(pick.get((r['op'], 'auto', *key)))} / "
+                             f"{_us(r['us'])} / {_us(pick.get((r['op'], 'cub', *key)))} / "
+                             f"{_us(pick.get((r['op'], 'cub_ascending', *key)))}")
     attention = rows(os.path.join(out, f"sm90_{card}.json"))
     attention += rows(os.path.join(out, f"sm90_prefill_{card}.json"))
     if attention:

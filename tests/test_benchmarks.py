@@ -340,7 +340,11 @@ def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path
     rows = [dict(op="topk", backend="auto", B=32, context=65536, us=24.7),
             dict(op="topk", backend="cub_lower", B=32, context=65536, us=23.9),
             dict(op="topk", backend="cub", B=32, context=65536, us=23.6),
-            dict(op="topk", backend="cub_ascending", B=32, context=65536, us=27.1)]
+            dict(op="topk", backend="cub_ascending", B=32, context=65536, us=27.1),
+            dict(op="prefill_topk", backend="auto", B=1, context=65536, M=4096, us=850.0),
+            dict(op="prefill_topk", backend="cub_lower", B=1, context=65536, M=4096, us=900.0),
+            dict(op="prefill_topk", backend="cub", B=1, context=65536, M=4096, us=880.0),
+            dict(op="prefill_topk", backend="cub_ascending", B=1, context=65536, M=4096, us=990.0)]
     (tmp_path / "indexer_h100.json").write_text(json.dumps(dict(rows=rows)))
     state = dict(device="H100", minutes=1.0, steps={"example": dict(status=0, seconds=9)},
                  example=[dict(implementation="auto", batch=32, context=65536, status=0,
@@ -350,6 +354,7 @@ def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path
                           dict(implementation="auto", batch=1, context=131072, status=1)])
     text = "\n".join(gpu_check.summary_lines(str(tmp_path), "h100", state))
     assert "32 x  65536: 24.7 / 23.9 / 23.6 / 27.1" in text
+    assert "prefill 4096 x  65536: 850.0 / 900.0 / 880.0 / 990.0" in text
     assert "32 x  65536 auto     2.00   1.60  1.25x    16,000" in text
     assert "1 x 131072 auto   failed (exit 1" in text
     assert "32 x 65536: auto / pure JAX 4.00x tokens/s (wall), 5.00x (kernels)" in text
