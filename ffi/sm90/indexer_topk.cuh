@@ -194,39 +194,35 @@ __device__ __forceinline__ bool ChooseThresholdBin(const uint32_t (&counts)[kBin
 }
 
 // One chunk of the compaction in position order: this thread's kKeys keys at positions
-// first + j (relative to the row start) are above the threshold or tied with it as the flags say;
-// thread t's keys precede thread t + 1's. kThreads * kKeys < 2^16, so the two counts share one
-// scanned word.
+// first + j (relative to the row start) are above the threshold or tied with it where bit j of
+// above_mask / tie_mask is set; thread t's keys precede thread t + 1's. kThreads * kKeys < 2^16, so
+// the two counts share one scanned word.
 // A kept key's output slot is (kept above-threshold keys before it) + min(ties before it, needed);
 // *above_seen and *ties_seen count the keys before this chunk (the same in every thread) and are
-// advanced past it. Returns true once all k slots are written (no later key is kept). Every thread
-// must call it (it synchronises the CTA).
+// advanced past it. Only the flagged keys are visited (a few in a chunk: about k of the row's keys
+// are), so a thread's work after the block scan is its flagged keys, not its kKeys. Returns true
+// once all k slots are written (no later key is kept). Every thread must call it (it synchronises
+// the CTA).
 template <int kKeys>
-__device__ __forceinline__ bool CompactChunk(const bool (&is_above)[kKeys],
-                                             const bool (&is_tie)[kKeys], int64_t first,
+__device__ __forceinline__ bool CompactChunk(uint32_t above_mask, uint32_t tie_mask, int64_t first,
                                              uint32_t needed, uint32_t want, uint32_t* above_seen,
                                              uint32_t* ties_seen, uint32_t* warp_sums,
                                              int32_t* out) {
-  static_assert(kThreads * kKeys < (1 << 16));
-  uint32_t n_above = 0u, n_tie = 0u;
-#pragma unroll
-  for (int j = 0; j < kKeys; ++j) {
-    n_above += is_above[j];
-    n_tie += is_tie[j];
-  }
+  static_assert(kThreads * kKeys < (1 << 16) && kKeys <= 32);
   uint32_t chunk_total;
-  const uint32_t before = BlockExclusiveSum((n_above << 16) | n_tie, warp_sums, &chunk_total);
-  uint32_t above_before = *above_seen + (before >> 16);
-  uint32_t ties_before = *ties_seen + (before & 0xFFFFu);
-#pragma unroll
-  for (int j = 0; j < kKeys; ++j) {
-    if (is_above[j] || (is_tie[j] && ties_before < needed)) {
-      const uint32_t slot = above_before + min(ties_before, needed);
+  const uint32_t before = BlockExclusiveSum((__popc(above_mask) << 16) | __popc(tie_mask),
+                                            warp_sums, &chunk_total);
+  const uint32_t above_before = *above_seen + (before >> 16);
+  const uint32_t ties_before = *ties_seen + (before & 0xFFFFu);
+  for (uint32_t pending = above_mask | tie_mask; pending != 0u; pending &= pending - 1u) {
+    const int j = __ffs(pending) - 1;
+    const uint32_t lower = (1u << j) - 1u;  // this thread's keys before key j
+    const uint32_t ties = ties_before + __popc(tie_mask & lower);
+    if (((above_mask >> j) & 1u) != 0u || ties < needed) {
+      const uint32_t slot = above_before + __popc(above_mask & lower) + min(ties, needed);
       // slot < k by construction; the test only guards memory if that reasoning were wrong.
       if (slot < want) out[slot] = static_cast<int32_t>(first + j);
     }
-    above_before += is_above[j];
-    ties_before += is_tie[j];
   }
   *above_seen += chunk_total >> 16;
   *ties_seen += chunk_total & 0xFFFFu;
@@ -789,15 +785,15 @@ __global__ void __launch_bounds__(kThreads, kStream ? 1 : 2)
     bool valid[kVec] = {false, false, false, false};
     int64_t first = 0;
     if (g < row.groups) LoadGroup(row, g, v, valid, first);
-    bool is_above[kVec], is_tie[kVec];
+    uint32_t above_mask = 0u, tie_mask = 0u;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
       const uint32_t masked = valid[j] ? (OrderKey(v[j]) & state.mask) : 0u;
-      is_above[j] = valid[j] && masked > state.prefix;
-      is_tie[j] = valid[j] && masked == state.prefix;
+      above_mask |= static_cast<uint32_t>(valid[j] && masked > state.prefix) << j;
+      tie_mask |= static_cast<uint32_t>(valid[j] && masked == state.prefix) << j;
     }
-    if (CompactChunk(is_above, is_tie, first, state.remaining, static_cast<uint32_t>(k),
-                     &above_seen, &ties_seen, smem.warp_sums, out)) {
+    if (CompactChunk<kVec>(above_mask, tie_mask, first, state.remaining, static_cast<uint32_t>(k),
+                           &above_seen, &ties_seen, smem.warp_sums, out)) {
       break;
     }
   }

@@ -215,6 +215,16 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
   // 0 and are never read. Each thread issues kLoadBatch groups' loads before it converts any (the
   // atomics between them would otherwise keep the compiler from overlapping the loads): with few
   // CTAs on a long row (batch 1) the time to bring the chunk in is set by the loads in flight.
+  // Groups [j_whole, j_end) of this CTA lie wholly in the row (all but the row's first and last
+  // group, where the row start or end cuts one): they are float4 loads from `whole` with no
+  // per-key test; the others go through LoadGroup's element-wise path.
+  const int64_t first_whole = row.lead == 0 ? 0 : 1;             // the row's first whole group
+  const int64_t end_whole = (row.len + row.lead) / kVec;          // one past its last whole group
+  const int j_whole = static_cast<int>(min(max(first_whole - g_begin, int64_t{0}), int64_t{n_groups}));
+  const int j_end = static_cast<int>(
+      min(max(end_whole - g_begin, static_cast<int64_t>(j_whole)), int64_t{n_groups}));
+  const float4* whole = reinterpret_cast<const float4*>(row.data + (first_whole * kVec - row.lead)) +
+                        (g_begin + j_whole - first_whole);  // group g_begin + j_whole
 #pragma unroll 1
   for (int base = 0; base < n_groups; base += kLoadBatch * kThreads) {
     float v[kLoadBatch][kVec];
@@ -222,19 +232,32 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
 #pragma unroll
     for (int u = 0; u < kLoadBatch; ++u) {
       const int j = base + u * kThreads + threadIdx.x;
+      if (j >= j_whole && j < j_end) {
+        const float4 x = whole[j - j_whole];
+        v[u][0] = x.x, v[u][1] = x.y, v[u][2] = x.z, v[u][3] = x.w;
+      } else {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) valid[u][e] = false;
-      int64_t first;
-      if (j < n_groups) LoadGroup(row, g_begin + j, v[u], valid[u], first);
+        for (int e = 0; e < kVec; ++e) valid[u][e] = false;
+        int64_t first;
+        if (j < n_groups) LoadGroup(row, g_begin + j, v[u], valid[u], first);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kLoadBatch; ++u) {
       const int j = base + u * kThreads + threadIdx.x;
       uint32_t key[kVec];
+      if (j >= j_whole && j < j_end) {
 #pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        key[e] = valid[u][e] ? OrderKey(v[u][e]) : 0u;
-        if (valid[u][e]) atomicAdd(&smem.hist[0][key[e] >> PassShift(0)], 1u);
+        for (int e = 0; e < kVec; ++e) {
+          key[e] = OrderKey(v[u][e]);
+          atomicAdd(&smem.hist[0][key[e] >> PassShift(0)], 1u);
+        }
+      } else {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) {
+          key[e] = valid[u][e] ? OrderKey(v[u][e]) : 0u;
+          if (valid[u][e]) atomicAdd(&smem.hist[0][key[e] >> PassShift(0)], 1u);
+        }
       }
       if (j < n_groups) key_groups[j] = make_uint4(key[0], key[1], key[2], key[3]);
     }
@@ -251,8 +274,22 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
     if (pass > 0) {
       const int shift = PassShift(pass);
       const uint32_t digit_mask = PassDigitMask(pass);
-#pragma unroll 4
-      for (int s = lo + threadIdx.x; s < hi; s += kThreads) {
+      // Eight keys loaded before their atomics: the compiler cannot tell the keys from the
+      // histogram (both shared memory), so a fused loop would wait for each load in turn.
+      constexpr int kStaged = 8;
+      int s = lo + threadIdx.x;
+      for (; s + (kStaged - 1) * kThreads < hi; s += kStaged * kThreads) {
+        uint32_t staged[kStaged];
+#pragma unroll
+        for (int u = 0; u < kStaged; ++u) staged[u] = keys[s + u * kThreads];
+#pragma unroll
+        for (int u = 0; u < kStaged; ++u) {
+          if ((staged[u] & state.mask) == state.prefix) {
+            atomicAdd(&hist[(staged[u] >> shift) & digit_mask], 1u);
+          }
+        }
+      }
+      for (; s < hi; s += kThreads) {
         const uint32_t key = keys[s];
         if ((key & state.mask) == state.prefix) atomicAdd(&hist[(key >> shift) & digit_mask], 1u);
       }
@@ -293,28 +330,28 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
   }
 
   // 3. Compaction. This CTA's counts, published for the CTAs after it.
-  // Group j's flags go to is_above / is_tie [offset, offset + kVec).
-  auto classify = [&](int j, bool* is_above, bool* is_tie, int offset) {
+  // Group j's flags go to bits [offset, offset + kVec) of *above / *tie. Slot s is in the row when
+  // s - lo < row_slots as unsigned numbers (one compare).
+  const uint32_t row_slots = static_cast<uint32_t>(max(hi - lo, 0));
+  auto classify = [&](int j, uint32_t* above, uint32_t* tie, int offset) {
     const uint4 group = j < n_groups ? key_groups[j] : make_uint4(0u, 0u, 0u, 0u);
     const uint32_t key[kVec] = {group.x, group.y, group.z, group.w};
 #pragma unroll
     for (int e = 0; e < kVec; ++e) {
       const int s = j * kVec + e;
-      const bool in_row = s >= lo && s < hi;
+      const bool in_row = static_cast<uint32_t>(s - lo) < row_slots;
       const uint32_t masked = key[e] & state.mask;
-      is_above[offset + e] = in_row && masked > state.prefix;
-      is_tie[offset + e] = in_row && masked == state.prefix;
+      *above |= static_cast<uint32_t>(in_row && masked > state.prefix) << (offset + e);
+      *tie |= static_cast<uint32_t>(in_row && masked == state.prefix) << (offset + e);
     }
   };
   uint32_t n_above = 0u, n_tie = 0u;
+#pragma unroll 4
   for (int j = threadIdx.x; j < n_groups; j += kThreads) {
-    bool is_above[kVec], is_tie[kVec];
-    classify(j, is_above, is_tie, 0);
-#pragma unroll
-    for (int e = 0; e < kVec; ++e) {
-      n_above += is_above[e];
-      n_tie += is_tie[e];
-    }
+    uint32_t above = 0u, tie = 0u;
+    classify(j, &above, &tie, 0);
+    n_above += __popc(above);
+    n_tie += __popc(tie);
   }
   // Both counts in one scanned word: a CTA holds at most kMaxClusterGroupsPerCta * 4 < 2^16 keys.
   static_assert(kMaxClusterGroupsPerCta * kVec < (1 << 16));
@@ -354,13 +391,13 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
       constexpr int kKeys = kGroups * kVec;
 #pragma unroll 1
       for (int base = 0; base < n_groups; base += kGroups * kThreads) {
-        bool is_above[kKeys], is_tie[kKeys];
+        uint32_t above = 0u, tie = 0u;
         const int j0 = base + threadIdx.x * kGroups;
 #pragma unroll
-        for (int g = 0; g < kGroups; ++g) classify(j0 + g, is_above, is_tie, g * kVec);
+        for (int g = 0; g < kGroups; ++g) classify(j0 + g, &above, &tie, g * kVec);
         const int64_t first = first_position + static_cast<int64_t>(j0) * kVec;
-        if (CompactChunk(is_above, is_tie, first, state.remaining, want, &above_seen, &ties_seen,
-                         smem.warp_sums, out)) {
+        if (CompactChunk<kKeys>(above, tie, first, state.remaining, want, &above_seen, &ties_seen,
+                                smem.warp_sums, out)) {
           break;
         }
       }
