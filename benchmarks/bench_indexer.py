@@ -23,15 +23,19 @@ next_n = 1, H = 64, k = 2048):
           B x L, k = 2048, in three modes: "cub" (FlashInfer's default: ties unspecified),
           "cub_lower" (deterministic, ties to the lower position: our set, unsorted) and
           "cub_ascending" (cub_lower, then a kernel that sorts each row's k positions: our output,
-          what calling CUB for our op would cost). The benchmark
-          compiles benchmarks/cub_topk.cu with nvcc against the CCCL headers of FlashInfer's data/
-          folder (FLASHINFER_DATA_DIR, else found or fetched as ffi/flashinfer_headers.py does for
-          the build) into a temporary folder and runs it per decode point: normal fp32 rows, lengths
-          read on the device, --cub-calls calls in one CUDA graph over 4 inputs, timed with CUDA
-          events (per-call time of the graph, median of 7 replays), the selected set checked against
-          a host top-k. The prefill rows get the same three (--causal: the same row lengths, 6
-          calls over 2 inputs). Without nvcc or the headers it says so and skips CUB. Never
-          imported by, and no dependency of, the package.
+          what calling CUB for our op would cost); and FlashInfer's own top-k (its filtered one-CTA
+          or multi-CTA radix kernel, as its dispatcher TopKRaggedTransformDispatch picks by shape)
+          in two modes: "fi_radix" (FlashInfer's default: ties and order unspecified) and
+          "fi_radix_det" (deterministic=True; ties still unspecified). The benchmark
+          compiles benchmarks/cub_topk.cu with nvcc against the CCCL and FlashInfer headers of
+          FlashInfer's data/ folder (FLASHINFER_DATA_DIR, else found or fetched as
+          ffi/flashinfer_headers.py does for the build) into a temporary folder and runs it per
+          decode point: normal fp32 rows, lengths read on the device, --cub-calls calls in one CUDA
+          graph over 4 inputs, timed with CUDA events (per-call time of the graph, median of 7
+          replays), the selected set checked against a host top-k (in cub, fi_radix and
+          fi_radix_det, whose ties are unspecified: the selected values). The prefill rows get the
+          same five (--causal: the same row lengths, 6 calls over 2 inputs). Without nvcc or the
+          headers it says so and skips them. Never imported by, and no dependency of, the package.
   select  logits + top-k in one jitted function (one indexer layer's selection): "native", "auto",
           "xla"
   GB/s counts the bytes the op must move at least: logits the fp8 keys, 132 bytes per cached token
@@ -174,14 +178,16 @@ def skipped(log, what, error):
 # A standalone CUDA program, built here with nvcc; nothing of it is part of the package.
 CUB_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cub_topk.cu")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# cub_topk's mode name -> the backend name of its rows.
-CUB_BACKENDS = {"default": "cub", "ties_to_lower": "cub_lower", "ascending": "cub_ascending"}
+# cub_topk's mode name -> the backend name of its rows (CUB's three, FlashInfer's own two).
+CUB_BACKENDS = {"default": "cub", "ties_to_lower": "cub_lower", "ascending": "cub_ascending",
+                "flashinfer_radix": "fi_radix", "flashinfer_radix_deterministic": "fi_radix_det"}
 CUB_INT_FIELDS = ("rows", "width", "k", "calls", "ws_bytes")
 CUB_FLOAT_FIELDS = ("us", "min_us", "max_us")
 
 
 class CubUnavailable(Exception):
-    """nvcc or the CCCL headers are missing, or cub_topk.cu did not build: CUB is skipped."""
+    """nvcc or the CCCL / FlashInfer headers are missing, or cub_topk.cu did not build: CUB and
+    FlashInfer's top-k are skipped."""
 
 
 def find_nvcc():
@@ -205,7 +211,7 @@ def _flashinfer_headers_module():
 
 
 def flashinfer_data_dir():
-    """FlashInfer's data/ folder (cccl/ under it), found as the native build finds it:
+    """FlashInfer's data/ folder (cccl/ and include/ under it), found as the native build finds it:
     $FLASHINFER_DATA_DIR, else ffi/flashinfer_headers.py's fetch (the installed pinned
     flashinfer-python, a build folder's unpacked copy of it, or the wheel unpacked into
     ~/.cache/jax-sparse-mla/flashinfer through pip). Raises CubUnavailable."""
@@ -235,6 +241,9 @@ def flashinfer_data_dir():
     header = os.path.join(data, "cccl", "cub", "cub", "device", "device_batched_topk.cuh")
     if not os.path.isfile(header):
         raise CubUnavailable(f"no cub::DeviceBatchedTopK under {data} ({header} is missing)")
+    header = os.path.join(data, "include", "flashinfer", "topk.cuh")
+    if not os.path.isfile(header):
+        raise CubUnavailable(f"no FlashInfer top-k under {data} ({header} is missing)")
     return data
 
 
@@ -247,12 +256,13 @@ def _read(path):
 
 
 def cub_compile_command(nvcc, data, output, arch="sm_90a"):
-    """The nvcc command line that builds cub_topk.cu against the CCCL headers of FlashInfer's
-    data/ folder `data`."""
+    """The nvcc command line that builds cub_topk.cu against the CCCL headers and FlashInfer's own
+    headers (include/) of FlashInfer's data/ folder `data`."""
     cccl = os.path.join(data, "cccl")
     return [nvcc, "-O3", "-std=c++20", f"-arch={arch}", "--expt-relaxed-constexpr", "--extended-lambda",
             "-I" + os.path.join(cccl, "cub"), "-I" + os.path.join(cccl, "libcudacxx", "include"),
-            "-I" + os.path.join(cccl, "thrust"), "-o", output, CUB_SOURCE]
+            "-I" + os.path.join(cccl, "thrust"), "-I" + os.path.join(data, "include"),
+            "-o", output, CUB_SOURCE]
 
 
 def build_cub(directory, log, arch="sm_90a"):
@@ -263,7 +273,7 @@ def build_cub(directory, log, arch="sm_90a"):
     data = flashinfer_data_dir()
     binary = os.path.join(directory, "cub_topk")
     command = cub_compile_command(nvcc, data, binary, arch)
-    log(f"building CUB's batched top-k: {' '.join(command)}")
+    log(f"building CUB's batched top-k and FlashInfer's top-k: {' '.join(command)}")
     start = time.perf_counter()
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=900)
@@ -310,8 +320,9 @@ def run_cub(binary, rows, width, calls, inputs=DECODE_SETS, causal=False):
 
 def bench_cub(cub, record, op, label, nbytes, *, rows, width, calls, inputs=DECODE_SETS,
               causal=False, **shape):
-    """CUB's rows (every mode) beside ours: cub = (binary, calls per graph at decode); op, label
-    ("B=... L=..."), nbytes and shape as ours at that point; rows x width, causal: run_cub's."""
+    """CUB's and FlashInfer's rows (every mode of cub_topk) beside ours: cub = (binary, calls per
+    graph at decode); op, label ("B=... L=..."), nbytes and shape as ours at that point; rows x
+    width, causal: run_cub's."""
     try:
         results = run_cub(cub[0], rows, width, calls, inputs=inputs, causal=causal)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
@@ -323,8 +334,8 @@ def bench_cub(cub, record, op, label, nbytes, *, rows, width, calls, inputs=DECO
                    nbytes, op=op, backend=row["backend"], **shape, cub_mode=row["mode"],
                    check=row.get("check"), timing="cuda_graph_events", ws_bytes=row.get("ws_bytes"))
         if row.get("check") != "ok":
-            record.log(f"    cub {row['mode']}: the selected set differs from the host top-k "
-                       f"(check={row.get('check')})")
+            record.log(f"    {row['backend']} ({row['mode']}): the selection differs from the host "
+                       f"top-k (check={row.get('check')})")
 
 
 def topk_table(rows, log):
@@ -333,12 +344,13 @@ def topk_table(rows, log):
     backends = list(dict.fromkeys(r["backend"] for r in topk))
     if not topk:
         return
+    width = {b: max(10, len(b)) for b in backends}  # a column as wide as its name
     log("top-k per call (us), decode:")
-    log("  " + f"{'B x L':>14s}" + "".join(f" {b:>10s}" for b in backends))
+    log("  " + f"{'B x L':>14s}" + "".join(f" {b:>{width[b]}s}" for b in backends))
     for shape in dict.fromkeys((r["B"], r["context"]) for r in topk):
         cells = {r["backend"]: r["us"] for r in topk if (r["B"], r["context"]) == shape}
-        text = "".join(f" {cells[b]:10.1f}" if cells.get(b) is not None else f" {'-':>10s}"
-                       for b in backends)
+        text = "".join(f" {cells[b]:{width[b]}.1f}" if cells.get(b) is not None
+                       else f" {'-':>{width[b]}s}" for b in backends)
         log(f"  {shape[0]:>5d} x {shape[1]:6d}{text}")
 
 
@@ -489,8 +501,10 @@ def main(argv=None):
                         choices=["native", "auto", "xla", "torch", *TOPK_BY_NAME])
     parser.add_argument("--calls", type=int, default=20, help="timed calls per decode row")
     parser.add_argument("--cub", action="store_true",
-                        help="also time CUB's batched top-k (benchmarks/cub_topk.cu, built with nvcc) "
-                             "at every decode point, both modes; skipped without nvcc or the headers")
+                        help="also time CUB's batched top-k (three modes) and FlashInfer's "
+                             "own top-k (two modes) through benchmarks/cub_topk.cu, built "
+                             "with nvcc, at every decode point and prefill size; skipped "
+                             "without nvcc or the headers")
     parser.add_argument("--cub-calls", type=int, default=50,
                         help="CUB calls per CUDA graph (per-call time = graph time / calls)")
     parser.add_argument("--cub-arch", default="sm_90a", help="nvcc -arch for cub_topk.cu")
@@ -514,7 +528,7 @@ def main(argv=None):
             try:
                 cub = (build_cub(cub_dir, print, args.cub_arch), args.cub_calls)
             except CubUnavailable as error:
-                print(f"CUB's batched top-k: skipped ({error})")
+                print(f"CUB's batched top-k and FlashInfer's top-k: skipped ({error})")
         for batch in args.batch:
             for context in args.context:
                 bench_decode(batch, context, args.backends, args.calls, device_times, record)

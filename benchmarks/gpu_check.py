@@ -17,8 +17,8 @@ and the next one runs):
              prefill sizes (T 4096 and 8192, H 64 and 128, bf16 and fp8_ds_mla: sm90_prefill_<card>.json)
   indexer    bench_indexer.py: decode B {1, 32, 128} x L {8192, 65536, 131072}, native / auto /
              pure JAX / torch.topk / both one-CTA top-k builds by name / CUB's batched top-k in
-             both modes (--cub: built with nvcc from FlashInfer's CCCL headers, skipped without
-             them), prefill at N = 65536
+             three modes and FlashInfer's own top-k in two (--cub: built with nvcc from FlashInfer's
+             CCCL and FlashInfer headers, skipped without them), prefill at N = 65536
   conversion bench_index_conversion.py at T {1, 128, 1024, 8192}
   example    examples/generate.py --preset deepseek-v3.2 --layers 4 --fill-context at batch x context
              32 x 65536 (--implementation auto, xla and native), 1 x 131072 and 128 x 8192 (auto and
@@ -183,17 +183,21 @@ def summary_lines(out: str, card: str, state: dict) -> list[str]:
                 auto, xla = pick.get((op, "auto", batch, context)), pick.get((op, "xla", batch, context))
                 cells.append(f"{op} {_us(auto)} / {_us(xla)}")
             lines.append(f"    {batch:3d} x {context:6d}: " + ", ".join(cells))
+        # The top-k beside bench_indexer --cub's rows: CUB's three modes, FlashInfer's own two.
+        beside = (("auto", "auto"), ("cub_lower", "CUB ties to the lower index"),
+                  ("cub", "CUB default"),
+                  ("cub_ascending", "CUB ties to the lower index, then sorted ascending"),
+                  ("fi_radix", "FlashInfer's top-k"),
+                  ("fi_radix_det", "FlashInfer's top-k, deterministic"))
         cub = [r for r in indexer if r["backend"] == "cub_lower"]
         if cub:
-            lines.append("  top-k (us; auto / CUB ties to the lower index / CUB default / CUB ties to "
-                         "the lower index, then sorted ascending):")
+            lines.append("  top-k (us; " + " / ".join(name for _, name in beside) + "):")
             for r in cub:
                 key = (r["B"], r["context"])
                 shape = (f"prefill {r['M']} x {key[1]:6d}" if r["op"] == "prefill_topk"
                          else f"{key[0]:3d} x {key[1]:6d}")
-                lines.append(f"    {shape}: {_us(pick.get((r['op'], 'auto', *key)))} / "
-                             f"{_us(r['us'])} / {_us(pick.get((r['op'], 'cub', *key)))} / "
-                             f"{_us(pick.get((r['op'], 'cub_ascending', *key)))}")
+                lines.append(f"    {shape}: " + " / ".join(
+                    _us(pick.get((r["op"], backend, *key))) for backend, _ in beside))
     attention = rows(os.path.join(out, f"sm90_{card}.json"))
     attention += rows(os.path.join(out, f"sm90_prefill_{card}.json"))
     if attention:

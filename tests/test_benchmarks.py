@@ -246,7 +246,11 @@ _CUB_LINES = (
     "cub_topk mode=default rows=32 width=65536 k=2048 us=23.610 min_us=23.580 max_us=23.660 calls=50 "
     "check=ok ws_bytes=1\n"
     "cub_topk mode=ties_to_lower rows=32 width=65536 k=2048 us=23.810 min_us=23.790 max_us=23.880 "
-    "calls=50 check=FAIL ws_bytes=1\n")
+    "calls=50 check=FAIL ws_bytes=1\n"
+    "cub_topk mode=flashinfer_radix rows=32 width=65536 k=2048 us=19.420 min_us=19.400 "
+    "max_us=19.500 calls=50 check=ok ws_bytes=1048576\n"
+    "cub_topk mode=flashinfer_radix_deterministic rows=32 width=65536 k=2048 us=21.080 "
+    "min_us=21.000 max_us=21.300 calls=50 check=FAIL ws_bytes=1048576\n")
 
 
 def test_cub_result_lines_are_parsed():
@@ -257,8 +261,49 @@ def test_cub_result_lines_are_parsed():
     assert bench.parse_cub_line(_CUB_LINES.splitlines()[0])["backend"] == "cub"
     assert bench.parse_cub_line("cub_topk mode=ascending rows=1 width=8192 k=2048 us=9.5")["backend"] == (
         "cub_ascending")
+    assert bench.parse_cub_line(_CUB_LINES.splitlines()[3]) == dict(
+        mode="flashinfer_radix_deterministic", backend="fi_radix_det", rows=32, width=65536, k=2048,
+        us=21.08, min_us=21.0, max_us=21.3, calls=50, check="FAIL", ws_bytes=1048576)
+    assert bench.parse_cub_line(_CUB_LINES.splitlines()[2])["backend"] == "fi_radix"
     assert bench.parse_cub_line("building CUB's batched top-k: nvcc ...") is None
     assert bench.parse_cub_line("cub_topk: no shape given") is None
+
+
+def test_every_cub_topk_mode_has_a_backend_name():
+    """The modes cub_topk.cu runs (its kModes) are the ones CUB_BACKENDS names, each its own."""
+    import re
+
+    bench = _benchmark_module("bench_indexer")
+    with open(os.path.join(BENCHMARKS, "cub_topk.cu")) as f:
+        source = f.read()
+    modes = re.search(r"kModes\[\] = \{([^}]*)\}", source)
+    assert modes, "no kModes array in cub_topk.cu"
+    assert re.findall(r'"(\w+)"', modes.group(1)) == list(bench.CUB_BACKENDS)
+    assert len(set(bench.CUB_BACKENDS.values())) == len(bench.CUB_BACKENDS)
+
+
+def test_cub_topk_is_built_with_flashinfer_headers(monkeypatch, tmp_path):
+    """The nvcc command has the CCCL headers and FlashInfer's own (include/, for
+    flashinfer/topk.cuh) of the data/ folder; a data/ folder without FlashInfer's top-k header is
+    refused."""
+    bench = _benchmark_module("bench_indexer")
+    data = str(tmp_path / "data")
+    command = bench.cub_compile_command("nvcc", data, "out")
+    includes = [arg[2:] for arg in command if arg.startswith("-I")]
+    assert includes == [os.path.join(data, "cccl", "cub"),
+                        os.path.join(data, "cccl", "libcudacxx", "include"),
+                        os.path.join(data, "cccl", "thrust"), os.path.join(data, "include")]
+    assert command[-1] == bench.CUB_SOURCE and command[command.index("-o") + 1] == "out"
+    cub_header = tmp_path / "data" / "cccl" / "cub" / "cub" / "device" / "device_batched_topk.cuh"
+    cub_header.parent.mkdir(parents=True)
+    cub_header.write_text("")
+    monkeypatch.setenv("FLASHINFER_DATA_DIR", data)
+    with pytest.raises(bench.CubUnavailable, match="no FlashInfer top-k"):
+        bench.flashinfer_data_dir()
+    topk_header = tmp_path / "data" / "include" / "flashinfer" / "topk.cuh"
+    topk_header.parent.mkdir(parents=True)
+    topk_header.write_text("")
+    assert bench.flashinfer_data_dir() == data
 
 
 def test_cub_rows_are_recorded_beside_ours(tmp_path):
@@ -277,15 +322,22 @@ def test_cub_rows_are_recorded_beside_ours(tmp_path):
                     calls=50, B=32, context=65536)
     assert (tmp_path / "args").read_text().split() == ["-k", "2048", "--calls", "50", "--inputs", "4",
                                                        "32x65536"]
-    cub = [r for r in record.rows if r["backend"].startswith("cub")]
-    assert [(r["backend"], r["cub_mode"], r["us"], r["check"]) for r in cub] == [
-        ("cub", "default", 23.61, "ok"), ("cub_lower", "ties_to_lower", 23.81, "FAIL")]
+    cub = [r for r in record.rows if "cub_mode" in r]
+    assert [(r["backend"], r["cub_mode"], r["us"], r["check"], r["ws_bytes"]) for r in cub] == [
+        ("cub", "default", 23.61, "ok", 1), ("cub_lower", "ties_to_lower", 23.81, "FAIL", 1),
+        ("fi_radix", "flashinfer_radix", 19.42, "ok", 1048576),
+        ("fi_radix_det", "flashinfer_radix_deterministic", 21.08, "FAIL", 1048576)]
     assert all(r["op"] == "topk" and r["B"] == 32 and r["context"] == 65536 for r in cub)
-    assert any("differs from the host top-k" in line for line in lines)
+    failed = [line for line in lines if "differs from the host top-k" in line]
+    assert len(failed) == 2
+    assert "cub_lower (ties_to_lower)" in failed[0]
+    assert "fi_radix_det (flashinfer_radix_deterministic)" in failed[1]
     lines.clear()
     bench.topk_table(record.rows, lines.append)
-    assert lines[1].split() == ["B", "x", "L", "auto", "cub", "cub_lower"]
-    assert lines[2].split() == ["32", "x", "65536", "30.1", "23.6", "23.8"]
+    assert lines[1].split() == ["B", "x", "L", "auto", "cub", "cub_lower", "fi_radix",
+                                "fi_radix_det"]
+    assert lines[2].split() == ["32", "x", "65536", "30.1", "23.6", "23.8", "19.4", "21.1"]
+    assert len(lines[1]) == len(lines[2])  # columns as wide as their names
 
 
 def test_cub_prefill_rows_use_the_causal_lengths(tmp_path):
@@ -341,10 +393,13 @@ def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path
             dict(op="topk", backend="cub_lower", B=32, context=65536, us=23.9),
             dict(op="topk", backend="cub", B=32, context=65536, us=23.6),
             dict(op="topk", backend="cub_ascending", B=32, context=65536, us=27.1),
+            dict(op="topk", backend="fi_radix", B=32, context=65536, us=19.4),
+            dict(op="topk", backend="fi_radix_det", B=32, context=65536, us=21.2),
             dict(op="prefill_topk", backend="auto", B=1, context=65536, M=4096, us=850.0),
             dict(op="prefill_topk", backend="cub_lower", B=1, context=65536, M=4096, us=900.0),
             dict(op="prefill_topk", backend="cub", B=1, context=65536, M=4096, us=880.0),
-            dict(op="prefill_topk", backend="cub_ascending", B=1, context=65536, M=4096, us=990.0)]
+            dict(op="prefill_topk", backend="cub_ascending", B=1, context=65536, M=4096, us=990.0),
+            dict(op="prefill_topk", backend="fi_radix_det", B=1, context=65536, M=4096, us=870.0)]
     (tmp_path / "indexer_h100.json").write_text(json.dumps(dict(rows=rows)))
     state = dict(device="H100", minutes=1.0, steps={"example": dict(status=0, seconds=9)},
                  example=[dict(implementation="auto", batch=32, context=65536, status=0,
@@ -353,8 +408,11 @@ def test_gpu_check_summary_puts_wall_beside_kernels_and_cub_beside_ours(tmp_path
                                wall_ms=8.0, device_ms=8.0),
                           dict(implementation="auto", batch=1, context=131072, status=1)])
     text = "\n".join(gpu_check.summary_lines(str(tmp_path), "h100", state))
-    assert "32 x  65536: 24.7 / 23.9 / 23.6 / 27.1" in text
-    assert "prefill 4096 x  65536: 850.0 / 900.0 / 880.0 / 990.0" in text
+    assert ("top-k (us; auto / CUB ties to the lower index / CUB default / CUB ties to the lower "
+            "index, then sorted ascending / FlashInfer's top-k / FlashInfer's top-k, deterministic)"
+            in text)
+    assert "32 x  65536: 24.7 / 23.9 / 23.6 / 27.1 / 19.4 / 21.2\n" in text
+    assert "prefill 4096 x  65536: 850.0 / 900.0 / 880.0 / 990.0 / - / 870.0\n" in text
     assert "32 x  65536 auto     2.00   1.60  1.25x    16,000" in text
     assert "1 x 131072 auto   failed (exit 1" in text
     assert "32 x 65536: auto / pure JAX 4.00x tokens/s (wall), 5.00x (kernels)" in text
