@@ -91,27 +91,42 @@ void SetClusterSize(cudaLaunchConfig_t* config, cudaLaunchAttribute* attribute, 
   config->numAttrs = 1;
 }
 
-// The clusters of 1 .. kMaxClusterSize CTAs of TopKClusterKernel that this device runs at once, asked of
-// the occupancy calculator once per device (the kernel's shared-memory limit raised first); later
-// calls read the answer without a lock.
-cudaError_t MaxActiveClusters(ActiveClusters& active) {
-  static PerDevice<std::array<int, kMaxClusterSize>> known;
+// Lets TopKClusterKernel run clusters wider than the portable 8 CTAs (kMaxFastClusterSize), once
+// per device, before the occupancy calculator is asked about them.
+cudaError_t AllowWideClusters() {
+  static PerDeviceOnce allowed;
   int device = 0;
   if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  std::array<int, kMaxClusterSize> counts{};
+  return allowed.Once(device, cudaSuccess, [](int) {
+    return cudaFuncSetAttribute(TopKClusterKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  });
+}
+
+// The clusters of 1 .. kMaxFastClusterSize CTAs of TopKClusterKernel that this device runs at once,
+// asked of the occupancy calculator once per device (the kernel's shared-memory limit raised and
+// wide clusters allowed first); later calls read the answer without a lock. A size above the
+// portable 8 that the device refuses counts 0: the plan never needs one.
+cudaError_t MaxActiveClusters(ActiveClusters& active) {
+  static PerDevice<std::array<int, kMaxFastClusterSize>> known;
+  int device = 0;
+  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
+  std::array<int, kMaxFastClusterSize> counts{};
   const cudaError_t status = known.Get(
       device, cudaSuccess,
-      [](int, std::array<int, kMaxClusterSize>* found) {
-        for (int i = 0; i < kMaxClusterSize; ++i) {
+      [](int, std::array<int, kMaxFastClusterSize>* found) {
+        for (int i = 0; i < kMaxFastClusterSize; ++i) {
           cudaLaunchConfig_t config = {};
           cudaLaunchAttribute attribute;
           config.gridDim = dim3(static_cast<unsigned>(i + 1));  // a multiple of the cluster
           config.blockDim = dim3(kThreads);
           config.dynamicSmemBytes = kMaxClusterDynamicBytes;
           SetClusterSize(&config, &attribute, i + 1);
-          if (cudaError_t status =
-                  cudaOccupancyMaxActiveClusters(&(*found)[i], TopKClusterKernel, &config);
-              status != cudaSuccess) {
+          const cudaError_t status =
+              cudaOccupancyMaxActiveClusters(&(*found)[i], TopKClusterKernel, &config);
+          if (status != cudaSuccess && i + 1 > kMaxClusterSize) {
+            (void)cudaGetLastError();  // not sticky: clear it, and take no cluster of this size
+            (*found)[i] = 0;
+          } else if (status != cudaSuccess) {
             return status;
           }
         }
@@ -119,7 +134,7 @@ cudaError_t MaxActiveClusters(ActiveClusters& active) {
       },
       &counts);
   if (status != cudaSuccess) return status;
-  for (int i = 0; i < kMaxClusterSize; ++i) active[i] = counts[i];
+  for (int i = 0; i < kMaxFastClusterSize; ++i) active[i] = counts[i];
   return cudaSuccess;
 }
 
@@ -129,6 +144,9 @@ ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_r
   if (num_rows == 0 || params.k == 0) return ffi::Error::Success();
   if (cudaError_t status = RaiseSharedMemoryLimit<TopKClusterKernel, kMaxClusterDynamicBytes>();
       status != cudaSuccess) {
+    return LaunchError(op, status);
+  }
+  if (cudaError_t status = AllowWideClusters(); status != cudaSuccess) {
     return LaunchError(op, status);
   }
   ActiveClusters active;

@@ -160,6 +160,16 @@ struct RadixState {
 __device__ __forceinline__ int PassShift(int pass) { return pass == 0 ? 21 : (pass == 1 ? 10 : 0); }
 __device__ __forceinline__ uint32_t PassDigitMask(int pass) { return pass == 2 ? 0x3FFu : 0x7FFu; }
 
+// Appends pass `pass`'s threshold bin to the state; returns true when every key of that bin is
+// kept (the digits so far decide the selection).
+__device__ __forceinline__ bool ApplyThreshold(const Threshold& threshold, int pass,
+                                               RadixState* state) {
+  state->remaining -= threshold.above;
+  state->prefix |= threshold.bin << PassShift(pass);
+  state->mask |= PassDigitMask(pass) << PassShift(pass);
+  return threshold.count == state->remaining;
+}
+
 // Ends radix pass `pass` from this thread's bin counts: counts[j] is the count (over the keys
 // matching the prefix) of bin kBins - 1 - (threadIdx.x * kBinsPerThread + j), so thread t owns
 // kBinsPerThread consecutive bins counted from the top and an exclusive prefix sum in thread order
@@ -186,11 +196,7 @@ __device__ __forceinline__ bool ChooseThresholdBin(const uint32_t (&counts)[kBin
   }
   __syncthreads();
   // No barrier after the read: the next call writes *chosen only after its block scan's barriers.
-  const Threshold threshold = *chosen;
-  state->remaining -= threshold.above;
-  state->prefix |= threshold.bin << PassShift(pass);
-  state->mask |= PassDigitMask(pass) << PassShift(pass);
-  return threshold.count == state->remaining;
+  return ApplyThreshold(*chosen, pass, state);
 }
 
 // One chunk of the compaction in position order: this thread's kKeys keys at positions

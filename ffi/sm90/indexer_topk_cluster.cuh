@@ -5,21 +5,25 @@
 //
 // Why: one CTA per row leaves most SMs idle at small batch (one 131072-wide row: 1 of 132 SMs) and
 // rereads the row from global memory or L2 in each of its up to four passes. Here a row of len
-// positions is split into C contiguous chunks, one per CTA of a cluster of C (1 to 8, chosen on the
+// positions is split into C contiguous chunks, one per CTA of a cluster of C (1 to 16, chosen on the
 // host from the static shape R x S by PlanCluster in indexer_topk_plan.h, so that R x C CTAs cover
 // the SMs while every chunk still fits in shared memory; the chunk boundaries follow each row's
 // actual length on the device). Per CTA:
 //
 //  1. load: its chunk's float4 groups become order-preserving keys (OrderKey) in shared memory,
 //     and the first pass's histogram is built while they arrive;
-//  2. radix passes (11, 11, 10 bits): each CTA histograms its own keys; one cluster barrier; every
-//     CTA sums the C histograms through distributed shared memory (each thread its 4 bins from each
-//     CTA, the C loads in flight together) and finds the same threshold bin, so all CTAs agree
-//     without a second barrier. Histograms are double-buffered: a CTA clears the buffer of the
-//     next pass right after the barrier, when every CTA has finished reading it. After the first
-//     pass, where the keys that can still be kept fit the one-CTA kernel's candidate lists, every
-//     CTA writes its own into rank 0's lists and rank 0 alone ends the select over them
-//     (GatherToLeader: one more cluster barrier instead of two passes and step 3);
+//  2. radix passes (11, 11, 10 bits): each CTA histograms its own keys. Where the host left room
+//     for the one-CTA kernel's candidate lists after the keys, the first pass's round is pushed
+//     (PushFirstPass): every CTA adds its non-zero bins into rank 0's sum, rank 0 alone chooses
+//     the threshold bin and hands it out with each CTA's place among the candidates (two cluster
+//     barriers); where the candidates fit the lists, every CTA writes its own into rank 0's lists
+//     and rank 0 alone ends the select over them (GatherToLeader: one more cluster barrier instead
+//     of two passes and step 3). Otherwise (no room, or too many candidates) a pass's round is
+//     pulled: one cluster barrier, then every CTA sums the C histograms through distributed shared
+//     memory (each thread its 4 bins from each CTA, the loads in flight together) and finds the
+//     same threshold bin, so all CTAs agree without a second barrier. Histograms are
+//     double-buffered: a CTA clears the buffer of the next pass right after the barrier, when
+//     every CTA has finished reading it;
 //  3. compaction: each CTA counts its keys above the threshold and tied with it; one cluster
 //     barrier; each CTA sums the counts of the CTAs before it (lower positions), which is where its
 //     kept positions start in the output, then writes them in position order exactly as the
@@ -58,13 +62,20 @@ struct alignas(16) ClusterShared {
     Shared leader;
   };
   uint32_t warp_sums[kWarps];
-  uint32_t cta_candidates[kWarps][kMaxClusterSize];  // warp w's share of each CTA's candidates
   Threshold chosen;
-  uint32_t kept_above;  // this CTA's keys above the threshold, read by the CTAs after it
-  uint32_t kept_ties;   // this CTA's keys tied with the threshold, likewise
+  // From the leader after the first pass (PushFirstPass): the candidates in the CTAs before this
+  // one and in all of them.
+  uint32_t candidates_before;
+  uint32_t candidates_total;
+  // This CTA's keys above the threshold (high half) and tied with it (low half), read by the CTAs
+  // after it: one word, so that one distributed-shared-memory load a CTA brings both.
+  uint32_t kept;
 };
 
 static_assert(sizeof(Shared) <= sizeof(uint32_t) * 2 * kBins, "the leader's state fits the histograms");
+
+// CTAs per batch of distributed-shared-memory loads in the pulled passes.
+constexpr int kPullBatch = 8;
 
 // Whether the candidate lists fit after the keys: kCandidateBytes more dynamic shared memory than
 // `chunk_bytes` (the most any CTA of this row's cluster keeps for its keys), which the host adds
@@ -75,45 +86,91 @@ __device__ __forceinline__ bool HasCandidateRoom(int64_t chunk_bytes) {
   return chunk_bytes + kCandidateBytes <= static_cast<int64_t>(dynamic_bytes);
 }
 
-// After the first pass: every CTA counts its keys that can still be kept ((key & mask) >= prefix)
-// from the histograms it has just read (`remote`: its 4 bins of every CTA's), so that all CTAs know
-// each CTA's count without another exchange. If they number at most kCandidateCapacity, each CTA
-// writes its own, in position order, into the leader's (rank 0's) candidate lists at its place
-// after the CTAs before it, one cluster barrier makes them visible, and the leader alone ends the
-// select over them (the later passes and the compaction of the one-CTA kernel, no cluster rounds).
-// The ordered candidates are cut into kWarps contiguous lists of at most kCandidatesPerWarp, the
-// layout of the one-CTA kernel's gather. Returns false (every CTA alike) where they are too many,
-// for the cluster passes to go on. Every thread of every CTA calls it.
-__device__ __forceinline__ bool GatherToLeader(
-    const cooperative_groups::cluster_group& cluster, const uint4 (&remote)[kMaxClusterSize],
-    int lowest_bin, const RadixState& state, bool decided, const uint32_t* keys, int lo, int hi,
-    int64_t first_position, uint32_t* candidate_smem, ClusterShared& smem, int k, int32_t* out) {
+// The first pass's cluster round where the leader's lists can take the candidates (the host left
+// them room): every CTA adds its non-zero bins into the leader's (rank 0's) hist[1], which every
+// CTA cleared before the cluster barrier that the kernel arrives at first, and turns its own
+// histogram into counts from the top (keys in bins >= b) in place; the leader alone scans the sum
+// and chooses the threshold bin, reads each CTA's count at that bin (its candidates) and hands
+// every CTA the threshold, the candidates in the CTAs before it and their total.
+// Why not every CTA pulling every CTA's bins, as the later passes do: that moves C x 8 KB of
+// histograms into each SM through the cluster's network, where a row's keys fill a few dozen
+// bins of the first digit (normal scores span a few binades), and those few adds are all the
+// leader needs. The pulled round's cost grows with C; this one's does not (on an H100, 1 x 65536
+// went from 15.6 to 13.9 µs at 8 CTAs, and clusters of 16, slower than 8 with the pulled round,
+// took it to 12.6).
+// Returns whether the first digit decides the selection; every thread of every CTA calls it.
+__device__ __forceinline__ bool PushFirstPass(const cooperative_groups::cluster_group& cluster,
+                                              int lowest_bin, RadixState* state,
+                                              ClusterShared& smem) {
+  uint32_t* own = smem.hist[0];
+  __syncthreads();  // this CTA's histogram is complete
+  const uint4 mine = *reinterpret_cast<const uint4*>(own + lowest_bin);
+  // counts[j]: bin kBins - 1 - (threadIdx.x * kBinsPerThread + j), from the top as
+  // ChooseThresholdBin takes them.
+  const uint32_t counts[kBinsPerThread] = {mine.w, mine.z, mine.y, mine.x};
+  cluster.barrier_wait();  // the kernel's first arrival: the leader's hist[1] is clear
+  uint32_t* summed = cluster.map_shared_rank(smem.hist[1], 0);
+  uint32_t owned = 0u;
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    if (counts[j] != 0u) atomicAdd(summed + kBins - 1 - (threadIdx.x * kBinsPerThread + j), counts[j]);
+    owned += counts[j];
+  }
+  uint32_t ignored;
+  uint32_t from_top = BlockExclusiveSum(owned, smem.warp_sums, &ignored);
+#pragma unroll
+  for (int j = 0; j < kBinsPerThread; ++j) {
+    from_top += counts[j];
+    own[kBins - 1 - (threadIdx.x * kBinsPerThread + j)] = from_top;  // only this thread's bins
+  }
+  cluster.sync();  // every CTA's adds are in the leader's sum, and its counts from the top are set
   const uint32_t rank = cluster.block_rank();
-  const uint32_t ctas = cluster.num_blocks();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const uint32_t first_bin = state.prefix >> PassShift(0);
-  // This thread's bins lowest_bin .. lowest_bin + 3 are remote[q].x .. .w; summed over the CTA.
+  bool decided = false;
+  if (rank == 0) {
+    uint4* sum = reinterpret_cast<uint4*>(smem.hist[1] + lowest_bin);
+    const uint4 bins = *sum;
+    *sum = make_uint4(0u, 0u, 0u, 0u);  // pass 1's histogram, where the cluster passes follow
+    const uint32_t cluster_counts[kBinsPerThread] = {bins.w, bins.z, bins.y, bins.x};
+    decided = ChooseThresholdBin(cluster_counts, 0, state, smem.warp_sums, &smem.chosen);
+    if (threadIdx.x < 32) {  // lane q serves CTA q
+      const uint32_t q = threadIdx.x, ctas = cluster.num_blocks();
+      const uint32_t bin = state->prefix >> PassShift(0);
+      const uint32_t count = q < ctas ? *cluster.map_shared_rank(smem.hist[0] + bin, q) : 0u;
+      uint32_t inclusive = count;
 #pragma unroll
-  for (int q = 0; q < kMaxClusterSize; ++q) {
-    uint32_t mine = 0u;
-    if (q < ctas) {
-      const uint32_t bins[4] = {remote[q].x, remote[q].y, remote[q].z, remote[q].w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) mine += lowest_bin + j >= static_cast<int>(first_bin) ? bins[j] : 0u;
+      for (int offset = 1; offset < 32; offset <<= 1) {
+        const uint32_t other = __shfl_up_sync(0xFFFFFFFFu, inclusive, offset);
+        if (q >= offset) inclusive += other;
+      }
+      const uint32_t total = __shfl_sync(0xFFFFFFFFu, inclusive, 31);
+      if (q < ctas) {
+        ClusterShared* target = cluster.map_shared_rank(&smem, q);
+        target->candidates_before = inclusive - count;
+        target->candidates_total = total;
+        // The leader's own threads have read smem.chosen already (ChooseThresholdBin).
+        if (q != 0) target->chosen = smem.chosen;
+      }
     }
-    mine = __reduce_add_sync(0xFFFFFFFFu, mine);
-    if (lane == 0) smem.cta_candidates[warp][q] = mine;
   }
-  __syncthreads();
-  uint32_t total = 0u, before = 0u;  // candidates in all CTAs, in the CTAs before this one
-  for (int q = 0; q < static_cast<int>(ctas); ++q) {
-    uint32_t count = 0u;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) count += smem.cta_candidates[w][q];
-    before += q < static_cast<int>(rank) ? count : 0u;
-    total += count;
-  }
-  if (total > static_cast<uint32_t>(kCandidateCapacity)) return false;  // the same in every CTA
+  cluster.sync();  // the leader's hand-out is in every CTA
+  if (rank != 0) decided = ApplyThreshold(smem.chosen, 0, state);
+  return decided;
+}
+
+// After the first pass (PushFirstPass), where the keys that can still be kept ((key & mask) >=
+// prefix) number at most kCandidateCapacity: each CTA writes its own, in position order, into the
+// leader's (rank 0's) candidate lists at its place after the CTAs before it, one cluster barrier
+// makes them visible, and the leader alone ends the select over them (the later passes and the
+// compaction of the one-CTA kernel, no cluster rounds). The ordered candidates are cut into kWarps
+// contiguous lists of at most kCandidatesPerWarp, the layout of the one-CTA kernel's gather. Every
+// thread of every CTA calls it.
+__device__ __forceinline__ void GatherToLeader(
+    const cooperative_groups::cluster_group& cluster, const RadixState& state, bool decided,
+    const uint32_t* keys, int lo, int hi, int64_t first_position, uint32_t* candidate_smem,
+    ClusterShared& smem, int k, int32_t* out) {
+  const uint32_t rank = cluster.block_rank();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const uint32_t before = smem.candidates_before, total = smem.candidates_total;
 
   // Position order: warp w walks its contiguous slice of the slots [lo, hi) 32 at a time.
   const int per_warp = (hi - lo + kWarps - 1) / kWarps;
@@ -145,7 +202,7 @@ __device__ __forceinline__ bool GatherToLeader(
     slot += __popc(ballot);
   }
   cluster.sync();  // the candidates are in the leader's lists; no CTA reads another's memory again
-  if (rank != 0) return true;
+  if (rank != 0) return;
 
   Shared& leader = smem.leader;
   if (threadIdx.x < kWarps) {
@@ -164,7 +221,6 @@ __device__ __forceinline__ bool GatherToLeader(
     });
   }
   CompactCandidates(candidates, &leader, refined, static_cast<uint32_t>(k), out);
-  return true;
 }
 
 // grid (R * C), clusters of C along x: cluster r selects row r; dynamic shared memory of
@@ -207,9 +263,17 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
   const bool candidate_room = HasCandidateRoom(per_cta * 16);
   uint32_t* candidate_smem = reinterpret_cast<uint32_t*>(
       reinterpret_cast<uint8_t*>(key_groups) + (candidate_room ? per_cta * 16 : 0));
-  // hist[1] is cleared after the first pass's barrier, like every next pass's buffer.
+  // Where the lists have room, the first pass's round adds into the leader's hist[1] (PushFirstPass),
+  // so every CTA clears it before its first arrival at the cluster barrier; otherwise hist[1] is
+  // cleared after the first pass's barrier, like every next pass's buffer.
   for (int i = threadIdx.x; i < kBins; i += kThreads) smem.hist[0][i] = 0u;
-  __syncthreads();
+  if (candidate_room) {
+    for (int i = threadIdx.x; i < kBins; i += kThreads) smem.hist[1][i] = 0u;
+    __syncthreads();
+    cluster.barrier_arrive();  // waited for in PushFirstPass, after the load
+  } else {
+    __syncthreads();
+  }
 
   // 1. Load, and the first pass's histogram (no prefix to match yet). Slots outside the row hold
   // 0 and are never read. Each thread issues kLoadBatch groups' loads before it converts any (the
@@ -268,8 +332,19 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
   // This thread's kBinsPerThread bins, counted from the top, are [lowest_bin, lowest_bin + 4).
   static_assert(kBinsPerThread == 4, "a thread reads its bins as one uint4");
   const int lowest_bin = kBins - kBinsPerThread * (threadIdx.x + 1);
+  bool decided = false;
+  int first_pulled_pass = 0;
+  if (candidate_room) {
+    decided = PushFirstPass(cluster, lowest_bin, &state, smem);
+    if (smem.candidates_total <= static_cast<uint32_t>(kCandidateCapacity)) {  // cluster-uniform
+      GatherToLeader(cluster, state, decided, keys, lo, hi, first_position, candidate_smem, smem, k,
+                     out);
+      return;
+    }
+    first_pulled_pass = 1;  // the leader cleared its hist[1]; the others never wrote theirs
+  }
 #pragma unroll 1
-  for (int pass = 0; pass < kNumPasses; ++pass) {
+  for (int pass = first_pulled_pass; pass < kNumPasses && !decided; ++pass) {
     uint32_t* hist = smem.hist[pass & 1];
     if (pass > 0) {
       const int shift = PassShift(pass);
@@ -300,33 +375,33 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
       uint32_t* next = smem.hist[(pass + 1) & 1];
       for (int i = threadIdx.x; i < kBins; i += kThreads) next[i] = 0u;
     }
-    // Every CTA's 4 bins are requested before any is added: a distributed-shared-memory load
-    // takes hundreds of cycles, and a loop over a run-time `ctas` would wait for each in turn.
-    uint4 remote[kMaxClusterSize];
-#pragma unroll
-    for (int q = 0; q < kMaxClusterSize; ++q) {
-      if (q < ctas) {
-        remote[q] = *reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist + lowest_bin, q));
-      }
-    }
+    // Every CTA's 4 bins are requested before any is added, in batches of kPullBatch CTAs: a
+    // distributed-shared-memory load takes hundreds of cycles, and a loop over a run-time `ctas`
+    // would wait for each in turn (all 16 at once would take more registers than the kernel has).
     uint32_t counts[kBinsPerThread] = {0u, 0u, 0u, 0u};
 #pragma unroll
-    for (int q = 0; q < kMaxClusterSize; ++q) {
-      if (q < ctas) {
-        counts[0] += remote[q].w;  // bin lowest_bin + 3 = kBins - 1 - 4 t
-        counts[1] += remote[q].z;
-        counts[2] += remote[q].y;
-        counts[3] += remote[q].x;
+    for (int first = 0; first < kMaxFastClusterSize; first += kPullBatch) {
+      if (first >= static_cast<int>(ctas)) break;
+      uint4 remote[kPullBatch];
+#pragma unroll
+      for (int i = 0; i < kPullBatch; ++i) {
+        if (first + i < ctas) {
+          remote[i] =
+              *reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist + lowest_bin, first + i));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kPullBatch; ++i) {
+        if (first + i < ctas) {
+          counts[0] += remote[i].w;  // bin lowest_bin + 3 = kBins - 1 - 4 t
+          counts[1] += remote[i].z;
+          counts[2] += remote[i].y;
+          counts[3] += remote[i].x;
+        }
       }
     }
     // The same sums in every CTA, so every CTA chooses the same bin and exits at the same pass.
-    const bool decided = ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen);
-    if (pass == 0 && candidate_room &&
-        GatherToLeader(cluster, remote, lowest_bin, state, decided, keys, lo, hi, first_position,
-                       candidate_smem, smem, k, out)) {
-      return;
-    }
-    if (decided) break;
+    decided = ChooseThresholdBin(counts, pass, &state, smem.warp_sums, &smem.chosen);
   }
 
   // 3. Compaction. This CTA's counts, published for the CTAs after it.
@@ -357,25 +432,19 @@ __global__ void __launch_bounds__(kThreads, 1) TopKClusterKernel(const TopKParam
   static_assert(kMaxClusterGroupsPerCta * kVec < (1 << 16));
   uint32_t totals;
   BlockExclusiveSum((n_above << 16) | n_tie, smem.warp_sums, &totals);
-  if (threadIdx.x == 0) {
-    smem.kept_above = totals >> 16;
-    smem.kept_ties = totals & 0xFFFFu;
-  }
+  if (threadIdx.x == 0) smem.kept = totals;
   cluster.sync();
   uint32_t above_seen = 0u, ties_seen = 0u;  // in the CTAs before this one
-  uint32_t remote_above[kMaxClusterSize], remote_ties[kMaxClusterSize];  // all requested first
+  uint32_t remote_kept[kMaxFastClusterSize];  // all requested first
 #pragma unroll
-  for (int q = 0; q < kMaxClusterSize; ++q) {
-    if (q < rank) {
-      remote_above[q] = *cluster.map_shared_rank(&smem.kept_above, q);
-      remote_ties[q] = *cluster.map_shared_rank(&smem.kept_ties, q);
-    }
+  for (int q = 0; q < kMaxFastClusterSize; ++q) {
+    if (q < rank) remote_kept[q] = *cluster.map_shared_rank(&smem.kept, q);
   }
 #pragma unroll
-  for (int q = 0; q < kMaxClusterSize; ++q) {
+  for (int q = 0; q < kMaxFastClusterSize; ++q) {
     if (q < rank) {
-      above_seen += remote_above[q];
-      ties_seen += remote_ties[q];
+      above_seen += remote_kept[q] >> 16;  // halves summed apart: 16 CTAs' ties may pass 2^16
+      ties_seen += remote_kept[q] & 0xFFFFu;
     }
   }
   // The last read of another CTA's shared memory: CTAs may leave once everyone has arrived.

@@ -7,7 +7,11 @@
 
 namespace jax_sparse_mla::indexer_topk {
 
-constexpr int kMaxClusterSize = 8;  // the portable cluster size
+constexpr int kMaxClusterSize = 8;  // the portable cluster size: the most CTAs a row may need
+// Clusters of up to 16 CTAs (the non-portable size SM90 allows) are taken for speed only, where the
+// device runs them at once (its occupancy query says so): no row needs more than kMaxClusterSize
+// CTAs' shared memory, so a device that runs none still takes every row.
+constexpr int kMaxFastClusterSize = 16;
 // Positions per group: the kernels read rows as float4 groups (kVec in indexer_topk.cuh).
 constexpr int kGroupPositions = 4;
 // The dynamic shared memory for one CTA's keys (16 bytes per group); with the static part (two
@@ -23,13 +27,13 @@ constexpr int64_t kMaxClusterGroupsPerCta = kMaxClusterKeyBytes / (4 * kGroupPos
 constexpr int64_t kMinClusterKeysPerCta = 2048;
 
 struct ClusterPlan {
-  int ctas;                 // C: CTAs per row, 1 .. kMaxClusterSize
+  int ctas;                 // C: CTAs per row, 1 .. kMaxFastClusterSize
   int64_t groups_capacity;  // groups of keys per CTA (the dynamic shared memory / 16 bytes)
 };
 
 // Clusters of c CTAs (entry c - 1, c = 1 .. kMaxClusterSize) that the GPU runs at once: the GPCs,
 // not the SM count alone, bound them (on an H100 of 132 SMs, 32 clusters of 4 CTAs took two waves).
-using ActiveClusters = int[kMaxClusterSize];
+using ActiveClusters = int[kMaxFastClusterSize];
 
 // The cluster for R rows of width S: the widest C whose R clusters still run at once (`active`:
 // one CTA per SM, 512 threads of ~126 registers) and whose chunks keep at least
@@ -46,7 +50,7 @@ inline bool PlanCluster(int64_t num_rows, int64_t width, const ActiveClusters& a
   const int64_t fewest = (max_groups + kMaxClusterGroupsPerCta - 1) / kMaxClusterGroupsPerCta;
   if (fewest > kMaxClusterSize) return false;
   int ctas = fewest < 1 ? 1 : static_cast<int>(fewest);
-  for (int wider = ctas + 1; wider <= kMaxClusterSize; ++wider) {
+  for (int wider = ctas + 1; wider <= kMaxFastClusterSize; ++wider) {
     if (num_rows <= active[wider - 1] &&
         per_cta(wider) * kGroupPositions >= kMinClusterKeysPerCta) {
       ctas = wider;

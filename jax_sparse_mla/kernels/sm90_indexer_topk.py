@@ -21,9 +21,11 @@ each thread's groups into registers; the streaming build ("sm90_topk_stream", on
 each warp stream its slice of the row through two 4 KB stages of shared memory filled by the copy
 engine (cp.async.bulk), so that 64 KB per CTA are in flight while the warps count or gather. The
 cluster form (`ffi/sm90/indexer_topk_cluster.cuh`, "sm90_topk_cluster") gives the same array with
-one row spread over a thread-block cluster of up to 8 CTAs, the row read once into shared memory,
-the first pass run cluster-wide and, where they fit, the candidates it leaves refined on one CTA
-(rows of at most MAX_CLUSTER_WIDTH positions).
+one row spread over a thread-block cluster of up to 8 CTAs (up to 16, the non-portable size, for a
+few long rows where the device runs such clusters: for speed only), the row read once into shared
+memory, the first pass's histograms added into one CTA that chooses the threshold for all and,
+where they fit, the candidates it leaves refined on that CTA (rows of at most MAX_CLUSTER_WIDTH
+positions).
 
 All three passed their GPU tests on an H100 (tests/kernels/test_sm90_indexer_topk_gpu.py, memcheck,
 racecheck and command buffers included). "native" prefers the cluster form wherever it fits, then
@@ -53,10 +55,11 @@ TARGET_DECODE_STREAM = "jax_sparse_mla_sm90_top_k_per_row_decode_stream"
 # The kernel indexes rows with the grid's x dimension and holds positions, the width S and k as
 # int32 (the handler rejects anything larger).
 MAX_DIM = 2**31 - 1
-# The cluster form (ffi/sm90/indexer_topk_plan.h): up to kMaxClusterSize = 8 CTAs per row (any
-# count, not only powers of two), each holding at most kMaxClusterGroupsPerCta = 11264 float4
-# groups of keys (176 KB); a row of S positions spans up to ceil((S + 3) / 4) groups. Its grid has
-# R x (up to 8) CTAs.
+# The cluster form (ffi/sm90/indexer_topk_plan.h): a row needs at most kMaxClusterSize = 8 CTAs
+# (any count, not only powers of two), each holding at most kMaxClusterGroupsPerCta = 11264 float4
+# groups of keys (176 KB); a row of S positions spans up to ceil((S + 3) / 4) groups. The plan
+# widens clusters up to 16 CTAs only while the R clusters run in one wave (R <= 8 for 16), so the
+# grid has at most R x 8 CTAs beyond that.
 MAX_CLUSTER_SIZE = 8
 CLUSTER_GROUPS_PER_CTA = 11264
 MAX_CLUSTER_WIDTH = MAX_CLUSTER_SIZE * CLUSTER_GROUPS_PER_CTA * 4 - 3
@@ -69,9 +72,10 @@ ONE_CTA_MAX_WIDTH = 8192
 # Wider rows, at most this many, whose smallest clusters fill at most CLUSTER_SM_SHARE of the SMs:
 # "auto" runs the cluster form; other wide rows run the streaming build. Clusters are placed within
 # GPCs, so not every SM takes one. One H100, one call, µs, cluster vs streaming build: 16 x 65536
-# 18.5 vs 32.1, 32 x 65536 24.5 vs 33.2, 48 x 65536 32.2 vs 33.8 (clusters of 2: 96 CTAs); 16 x
-# 131072 24.8 vs 44.2, 24 x 131072 32.2 vs 47.4; in a later call on the same card, 32 x 131072 43.7
-# (clusters of 3: 96 CTAs) vs 47.8, 40 x 131072 73.1 vs 48.3 (120 CTAs, two waves).
+# 17.1 vs 32.5, 24 x 65536 19.2 vs 32.6, 40 x 65536 30.0 vs 32.9, 48 x 65536 31.1 vs 34.0
+# (clusters of 2); 16 x 131072 23.0 vs 44.7, 24 x 131072 30.1 vs 47.7, 40 x 131072 56.8 vs 48.6
+# (clusters of 3: 120 CTAs); 48 x 131072 61.6 vs 72.6 is the one measured point the rule gets
+# wrong (R x 3 = 144 CTAs, more than 3/4 of the SMs: the streaming build runs).
 CLUSTER_MAX_ROWS = 48
 CLUSTER_SM_SHARE = 0.75
 

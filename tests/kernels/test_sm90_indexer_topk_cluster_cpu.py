@@ -48,8 +48,9 @@ LISTS, LIST_CAPACITY = 16, 512
 
 
 def leader_lists(chunks, first_bin: int):
-    """GatherToLeader's layout: each CTA's candidate count from the histograms (bins >= first_bin),
-    and the entries each CTA writes, in position order after the CTAs before it, into LISTS
+    """GatherToLeader's layout: each CTA's candidate count (its own histogram's keys in bins >=
+    first_bin, which PushFirstPass's leader reads from each CTA's counts from the top), and the
+    entries each CTA writes, in position order after the CTAs before it, into LISTS
     contiguous lists of per_list = ceil(total / LISTS). Returns (keys, positions) read back list by
     list as the leader reads them, or None when the candidates number more than the lists hold."""
     counts = [int((np.bincount(keys >> 21, minlength=BINS)[first_bin:]).sum()) for _, keys in chunks]
@@ -232,17 +233,21 @@ def test_model_rows_shorter_than_the_cluster():
 PLAN_DRIVER = r"""
 #include <cstdio>
 #include "sm90/indexer_topk_plan.h"
-// stdin: lines "R S num_sms"; stdout: lines "ok ctas groups_capacity".
+// stdin: lines "R S num_sms wide"; stdout: lines "ok ctas groups_capacity".
 int main() {
+  namespace topk = jax_sparse_mla::indexer_topk;
   long long rows, width;
-  int sms;
-  while (std::scanf("%lld %lld %d", &rows, &width, &sms) == 3) {
-    jax_sparse_mla::indexer_topk::ClusterPlan plan{0, 0};
+  int sms, wide;
+  while (std::scanf("%lld %lld %d %d", &rows, &width, &sms, &wide) == 4) {
+    topk::ClusterPlan plan{0, 0};
     // As many clusters of C at once as SMs / C hold (the GPU's occupancy calculator, on an ideal
-    // part).
-    jax_sparse_mla::indexer_topk::ActiveClusters active;
-    for (int c = 1; c <= jax_sparse_mla::indexer_topk::kMaxClusterSize; ++c) active[c - 1] = sms / c;
-    const bool ok = jax_sparse_mla::indexer_topk::PlanCluster(rows, width, active, &plan);
+    // part); none above the portable 8 where `wide` is 0 (a device that refuses them:
+    // MaxActiveClusters counts 0).
+    topk::ActiveClusters active;
+    for (int c = 1; c <= topk::kMaxFastClusterSize; ++c) {
+      active[c - 1] = c > topk::kMaxClusterSize && !wide ? 0 : sms / c;
+    }
+    const bool ok = topk::PlanCluster(rows, width, active, &plan);
     std::printf("%d %d %lld\n", ok ? 1 : 0, plan.ctas, static_cast<long long>(plan.groups_capacity));
   }
   return 0;
@@ -255,8 +260,10 @@ def plan_driver(tmp_path_factory) -> pathlib.Path:
     return compile_host_program(PLAN_DRIVER, tmp_path_factory.mktemp("topk_plan"))
 
 
-def plan(driver, cases):
-    text = "".join(f"{r} {s} {sms}\n" for r, s, sms in cases)
+def plan(driver, cases, wide: bool = True):
+    """PlanCluster's (ok, ctas, groups_capacity) for each (rows, width, SMs); wide: the device runs
+    clusters above the portable 8 CTAs."""
+    text = "".join(f"{r} {s} {sms} {int(wide)}\n" for r, s, sms in cases)
     out = subprocess.run([str(driver)], input=text, capture_output=True, text=True, check=True)
     return [tuple(int(x) for x in line.split()) for line in out.stdout.splitlines()]
 
@@ -270,10 +277,19 @@ def test_plan_accepts_exactly_the_checked_widths(plan_driver):
 
 def test_plan_of_the_benchmarked_shapes(plan_driver):
     """The split docs/kernels/sm90-indexer.md quotes for an H200 (132 SMs)."""
-    cases = {(1, 131072): 8, (1, 8192): 4, (32, 65536): 4, (32, 131072): 4, (128, 8192): 1,
-             (128, 65536): 2, (4096, 131072): 3, (40, 65536): 3, (24, 131072): 5, (16, 98304): 8}
+    cases = {(1, 131072): 16, (1, 65536): 16, (1, 8192): 4, (32, 65536): 4, (32, 131072): 4,
+             (128, 8192): 1, (128, 65536): 2, (4096, 131072): 3, (40, 65536): 3, (24, 131072): 5,
+             (16, 98304): 8}
     results = plan(plan_driver, [(r, s, 132) for r, s in cases])
     assert [ctas for _, ctas, _ in results] == list(cases.values())
+
+
+def test_plan_without_wide_clusters_stays_portable(plan_driver):
+    """A device that runs no cluster above 8 CTAs (its occupancy query refuses them) gets the
+    portable plan: every row still fits, batch 1 at 8 CTAs."""
+    cases = [(1, 131072, 132), (1, 65536, 132), (2, 65536, 132), (1, topk.MAX_CLUSTER_WIDTH, 132)]
+    results = plan(plan_driver, cases, wide=False)
+    assert [(ok, ctas) for ok, ctas, _ in results] == [(1, 8), (1, 8), (1, 8), (1, 8)]
 
 
 @pytest.mark.parametrize("sms", [132, 78, 16])
@@ -282,7 +298,7 @@ def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
              for s in (1, 100, 2048, 2049, 8192, 65536, 131072, 262144, topk.MAX_CLUSTER_WIDTH)]
     for (rows, width, _), (ok, ctas, capacity) in zip(cases, plan(plan_driver, cases)):
         assert ok == 1
-        assert 1 <= ctas <= 8
+        assert 1 <= ctas <= 16
         groups = -(-(width + 3) // 4)  # the most groups a row of this width spans (lead <= 3)
         assert capacity == -(-groups // ctas) and capacity * 16 <= 176 * 1024
         fewest = -(-groups // 11264)
@@ -292,7 +308,7 @@ def test_plan_fits_every_row_and_fills_the_gpu(plan_driver, sms):
             assert rows * ctas <= sms and capacity * 4 >= 2048
         else:
             assert ctas == max(1, fewest)
-        for wider in range(ctas + 1, 9):
+        for wider in range(ctas + 1, 17):
             # Not widened although one wave had room: the chunks would have been too small.
             assert rows * wider > sms or -(-groups // wider) * 4 < 2048
 
