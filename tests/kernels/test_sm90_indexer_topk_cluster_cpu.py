@@ -187,7 +187,7 @@ def adversarial_row(rng: np.random.Generator, case: int, width: int) -> np.ndarr
     return row
 
 
-@pytest.mark.parametrize("ctas", [1, 2, 3, 4, 5, 7, 8])  # any width the plan may pick
+@pytest.mark.parametrize("ctas", [1, 2, 3, 4, 5, 7, 8, 16])  # any width the plan may pick
 @pytest.mark.parametrize("lead", [0, 1, 3])
 @pytest.mark.parametrize("width,k", [(5000, 2048), (20001, 2048), (2049, 2048), (37, 5),
                                      (65536, 2048), (9, 1)])
