@@ -91,17 +91,6 @@ void SetClusterSize(cudaLaunchConfig_t* config, cudaLaunchAttribute* attribute, 
   config->numAttrs = 1;
 }
 
-// Lets TopKClusterKernel run clusters wider than the portable 8 CTAs (kMaxFastClusterSize), once
-// per device, before the occupancy calculator is asked about them.
-cudaError_t AllowWideClusters() {
-  static PerDeviceOnce allowed;
-  int device = 0;
-  if (cudaError_t status = cudaGetDevice(&device); status != cudaSuccess) return status;
-  return allowed.Once(device, cudaSuccess, [](int) {
-    return cudaFuncSetAttribute(TopKClusterKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  });
-}
-
 // The clusters of 1 .. kMaxFastClusterSize CTAs of TopKClusterKernel that this device runs at once,
 // asked of the occupancy calculator once per device (the kernel's shared-memory limit raised and
 // wide clusters allowed first); later calls read the answer without a lock. A size above the
@@ -146,7 +135,8 @@ ffi::Error LaunchCluster(const char* op, const TopKParams& params, int64_t num_r
       status != cudaSuccess) {
     return LaunchError(op, status);
   }
-  if (cudaError_t status = AllowWideClusters(); status != cudaSuccess) {
+  // Clusters above 8 CTAs (kMaxFastClusterSize), before the occupancy calculator is asked of them.
+  if (cudaError_t status = AllowNonPortableClusters<TopKClusterKernel>(); status != cudaSuccess) {
     return LaunchError(op, status);
   }
   ActiveClusters active;
